@@ -1,0 +1,12 @@
+"""pi0align: precision alignment and diffing for LeRobot PI0 training across devices."""
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Lazy: `import pi0align.compare` must not import torch, which `Dumper` needs.
+    if name == "Dumper":
+        from pi0align.dump import Dumper
+
+        return Dumper
+    raise AttributeError(f"module 'pi0align' has no attribute {name!r}")

@@ -1,0 +1,57 @@
+"""`pi0align` entry point: parse, dispatch to one command module, turn user errors into one line.
+
+Command modules are imported only when their command runs, so `pi0align compare` never pays
+for importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from pi0align import __version__
+from pi0align.errors import UserError
+
+# command -> (module, one-line help). Each module has add_arguments(parser) and main(args) -> int.
+COMMANDS = {
+    "run": ("pi0align.cli.run", "train LeRobot PI0 with every random source fixed, optionally dumping tensors"),
+    "make-dataset": ("pi0align.cli.make_dataset", "write a synthetic koch-like LeRobot dataset"),
+    "prepare": ("pi0align.cli.prepare", "fetch or check the weights, tokenizer and dataset a real run needs"),
+    "compare": ("pi0align.cli.compare", "align two dumps, measure, judge and name the call that introduced the error"),
+}
+
+
+def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, object | None]:
+    parser = argparse.ArgumentParser(prog="pi0align", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"pi0align {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    module = None
+    for command, (module_name, help_text) in COMMANDS.items():
+        sub = subparsers.add_parser(command, help=help_text, description=help_text)
+        if command == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub)
+    return parser, module
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser, module = build_parser(argv)
+    args = parser.parse_args(argv)
+    if module is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(module.main(args) or 0)
+    except UserError as error:
+        print(f"pi0align {args.command}: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print(f"pi0align {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The result of comparing two dumps, as plain data: what `report` renders.
+
+No torch here, and no logic beyond trivial accessors: `compare` fills it, `report` reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+# Columns of Comparison.rows, in this order. One row per aligned pair of tensors, or per record
+# found on one side only. `a` is the benchmark (B, e.g. GPU), `b` the run under test (N, e.g. NPU).
+ROW_COLUMNS = [
+    "step",  # int
+    "seq_a", "seq_b",  # call sequence numbers, <NA> on the side that lacks the record
+    "name", "module", "api", "direction", "role", "arg_index",
+    "dtype_a", "dtype_b", "shape_a", "shape_b",
+    "pairing",  # "matched" | "realigned" | "only_a" | "only_b" | "shape_mismatch" | "dtype_mismatch"
+    "evidence",  # "tensor" | "sample" | "stats": what the metrics were computed from
+    # metrics (float64, NaN when not computable from the evidence)
+    "cosine", "max_abs_err", "max_rel_err", "mean_rel_err", "rel_l2_err", "rmse",
+    "within_1e-3", "within_5e-3", "nan_inf_mismatch",
+    "min_rel_err", "max_val_rel_err", "mean_val_rel_err", "norm_rel_err",
+    "verdict",  # "pass" | "warn" | "fail" | "n/a"
+    "introduced_error",  # float: output error / input error of the call (NaN for inputs)
+    "stack",  # str: "file:line function" of the call site, innermost, "" when unknown
+    "rank",  # int: the rank both records come from (ranks pair by number)
+    "severity",  # float: largest judged error / its threshold (> 1 fails), NaN when not judged
+]
+
+
+@dataclass(frozen=True)
+class CallRef:
+    """One call, as the user needs to find it."""
+
+    step: int
+    name: str
+    module: str
+    api: str
+    direction: str
+    stack: list[str] = field(default_factory=list)
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class Culprit(CallRef):
+    introduced_error: float = float("nan")
+    input_error: float = float("nan")
+    output_error: float = float("nan")
+    metric: str = "rel_l2_err"  # which error measure introduced_error is a ratio of
+
+
+@dataclass
+class Comparison:
+    """Everything one `pi0align compare` found."""
+
+    verdict: str  # "aligned" | "diverged"
+    rows: pd.DataFrame  # columns ROW_COLUMNS
+    coverage: dict[str, int]  # {"matched": n, "only_a": n, "only_b": n}
+    first_divergence: CallRef | None
+    culprits: list[Culprit]  # earliest step first, most guilty first within a step
+    thresholds: dict[str, dict[str, float]]  # per dtype: metric -> threshold
+    source_a: str
+    source_b: str
+    metrics_a: pd.DataFrame  # per training step: step, loss, grad_norm, lr
+    metrics_b: pd.DataFrame
+    manifest_diff: list[tuple[str, Any, Any]]  # (dotted key, value in a, value in b)
+    notes: list[str] = field(default_factory=list)  # e.g. "initial weights differ"
+    first_divergence_backward: CallRef | None = None  # the same search over backward calls

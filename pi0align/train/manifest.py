@@ -1,0 +1,80 @@
+"""The run manifest: what a second run must match to be comparable (coarse alignment)."""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from pi0align import __version__
+from pi0align.device import Device, cann_version, optional_version
+
+VERSIONED_DISTRIBUTIONS = {
+    "torch": "torch", "torch_npu": "torch-npu", "transformers": "transformers", "lerobot": "lerobot",
+    "deepspeed": "deepspeed", "accelerate": "accelerate", "msprobe": "mindstudio-probe",
+    "torchvision": "torchvision", "numpy": "numpy",
+}
+
+
+def versions() -> dict[str, str | None]:
+    found = {name: optional_version(distribution) for name, distribution in VERSIONED_DISTRIBUTIONS.items()}
+    return {"python": platform.python_version(), "pi0align": __version__, "cann": cann_version(), **found}
+
+
+def weights_sha256(model: torch.nn.Module) -> str:
+    """SHA-256 over every parameter and buffer: name, dtype, shape and raw bytes, in name order."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def git_commit() -> str | None:
+    """The project's commit, with "+dirty" when the working tree has changes; None outside git."""
+    source = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+dirty" if dirty else "")
+
+
+def build_manifest(*, config, device: Device, seed_impl: str, transformers_compat: str, policy, parameter_count: int,
+                   dataset_root: Path, dataset_fingerprint: str, world_size: int = 1, rank: int = 0) -> dict:
+    return {
+        "device": device.type,
+        "device_name": device.name(),
+        "device_count": device.count(),
+        "dtype": config.dtype,
+        "seed": config.seed,
+        "seed_impl": seed_impl,
+        "world_size": world_size,
+        "rank": rank,
+        "threads": torch.get_num_threads(),
+        "versions": versions(),
+        "transformers_compat": transformers_compat,
+        "config": config.to_json(),
+        "hyperparameters": _hyperparameters(policy.config),
+        "parameter_count": parameter_count,
+        "weights_sha256": weights_sha256(policy),
+        "dataset": str(dataset_root),
+        "dataset_fingerprint": dataset_fingerprint,
+        "git_commit": git_commit(),
+    }
+
+
+def _hyperparameters(policy_config) -> dict:
+    """PI0's own training hyper-parameters as LeRobot resolves them."""
+    names = ["optimizer_lr", "optimizer_betas", "optimizer_eps", "optimizer_weight_decay", "optimizer_grad_clip_norm",
+             "scheduler_warmup_steps", "scheduler_decay_steps", "scheduler_decay_lr", "chunk_size", "n_action_steps",
+             "max_state_dim", "max_action_dim", "image_resolution", "tokenizer_max_length", "dtype",
+             "num_inference_steps", "paligemma_variant", "action_expert_variant"]
+    values = {name: getattr(policy_config, name) for name in names}
+    return {name: list(value) if isinstance(value, tuple) else value for name, value in values.items()}

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Install pi0align and everything it needs into ./.venv, at the versions in constraints.txt.
+# Repeatable on a fresh machine; touches no Hugging Face Hub.
+#   scripts/install.sh          the tool (training, dumping, comparing, reports)
+#   scripts/install.sh test     + the test tools and Debian's Chromium for the browser tests
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3.11}
+command -v "$python" >/dev/null || python=python3
+pip() { .venv/bin/python -m pip "$@"; }
+
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip install -q --upgrade "pip>=24"
+# torch and torchvision as a matched pair, first, so nothing below can pull another torch.
+pip install -q -c constraints.txt torch torchvision
+extras=msprobe
+[ "${1:-}" = test ] && extras="msprobe,test"
+pip install -q -c constraints.txt -e ".[${extras}]"
+# LeRobot pins torch<2.11, which excludes the torch here: its real needs are in pyproject.toml.
+pip install -q -c constraints.txt --no-deps lerobot
+if [ "${1:-}" = test ] && ! command -v chromium >/dev/null; then
+    # Debian's Chromium for the HTML report's browser test (playwright must not download one).
+    (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "install.sh: could not install chromium" >&2
+fi
+echo "pi0align installed in $(pwd)/.venv"
