@@ -71,8 +71,11 @@ def load_weights(policy, directory: Path) -> None:
     state_dict = policy._fix_pytorch_state_dict_keys(state_dict, policy.config)
     state_dict = {key if key.startswith("model.") else f"model.{key}": value for key, value in state_dict.items()}
     missing, unexpected = policy.load_state_dict(state_dict, strict=False)
-    # LeRobot ties the language model's embedding to its lm_head; a checkpoint may hold just one.
-    missing = [key for key in missing if not key.endswith("lm_head.weight")]
+    # Tied weights (PaliGemma's embedding and lm_head) are saved once: a missing key is fine when
+    # it shares storage with a key that was loaded.
+    current = policy.state_dict()
+    loaded_storage = {current[key].data_ptr() for key in state_dict if key in current}
+    missing = [key for key in missing if current[key].data_ptr() not in loaded_storage]
     if missing or unexpected:
         raise UserError(
             f"weights in {directory} do not fit this preset: {len(missing)} missing, {len(unexpected)} unexpected "

@@ -51,6 +51,7 @@ def train(config: TrainConfig, dumper=None, resume_from: Path | None = None) -> 
     if dumper is not None:
         dumper.start(policy, manifest=manifest)
 
+    loop_started = time.perf_counter()
     with ProgressDisplay(config.steps, start_step, enabled=config.progress) as progress:
         for step in range(start_step, config.steps):
             step_started = time.perf_counter()
@@ -61,7 +62,8 @@ def train(config: TrainConfig, dumper=None, resume_from: Path | None = None) -> 
             device.synchronize()
             step_time = time.perf_counter() - step_started
             record = log.write(step=step, loss=loss, grad_norm=grad_norm, lr=lr, step_time_s=step_time,
-                               data_time_s=data_time, samples_per_s=config.batch_size / step_time)
+                               data_time_s=data_time, samples_per_s=config.batch_size / step_time,
+                               time_s=time.perf_counter() - loop_started)
             if dumper is not None:
                 dumper.record_metrics(step, loss=loss, grad_norm=grad_norm, lr=lr)
                 dumper.step()

@@ -1,0 +1,43 @@
+"""Shared test setup: offline, a per-session cache for generated artifacts, and a CLI runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Nothing in the tests may reach the network, and CPU runs are bit-reproducible at a fixed thread count.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def artifact_cache(tmp_path_factory) -> Path:
+    """One cache (synthetic dataset, generated tokenizers) for the whole session, shared with subprocesses."""
+    cache = tmp_path_factory.mktemp("pi0align-cache")
+    os.environ["PI0ALIGN_CACHE"] = str(cache)
+    return cache
+
+
+def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`pi0align ARGS` in a fresh process, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "pi0align.cli.main", *map(str, args)],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})},
+    )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str, exit_code: int = 2) -> None:
+    """Bad input: the given exit code, no traceback, and one `error:` line naming what is wrong."""
+    assert result.returncode == exit_code, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in error_lines[0], error_lines[0]
