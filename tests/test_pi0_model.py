@@ -85,3 +85,13 @@ def test_checkpoint_weights_round_trip(tmp_path):
     load_weights(other, tmp_path)
     for (name, a), (_, b) in zip(policy.state_dict().items(), other.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_bf16_trains_on_stock_transformers():
+    """PI0's dtype=bfloat16 keeps SigLIP's patch embedding in float32; the compat layer casts after it."""
+    torch.manual_seed(0)
+    policy = build_policy("tiny", *features(), dtype="bf16")
+    assert policy.model.paligemma_with_expert.paligemma.model.language_model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    loss, _ = policy.forward(batch_for("tiny"))
+    loss.backward()
+    assert torch.isfinite(loss)

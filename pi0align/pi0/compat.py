@@ -1,12 +1,14 @@
 """Run LeRobot 0.4.4's PI0 on stock transformers 4.57.
 
 LeRobot's PI0 was written against a patched transformers (openpi's `transformers_replace`, on a git
-branch only). For PI0 (not PI0.5: no adaptive RMSNorm) the patch matters in three places, and this
+branch only). For PI0 (not PI0.5: no adaptive RMSNorm) the patch matters in four places, and this
 module supplies exactly those, only when the patched build is absent:
 
 - `GemmaRMSNorm.forward(x, cond=None)` returns `(normed, gate)` when called with `cond` (LeRobot's
   layer loop does); called without it, it keeps the stock single-tensor return for stock layers;
 - `modeling_gemma._gated_residual(x, y, gate)`;
+- SigLIP's encoder casts the (float32) patch embeddings to bfloat16 when its layers are bfloat16
+  (PI0 keeps the patch embedding in float32 under `dtype=bfloat16`);
 - `transformers.models.siglip.check.check_whether_transformers_replace_is_installed_correctly()`.
 
 The numerics are stock transformers'; the manifest records that this layer was applied.
@@ -17,6 +19,8 @@ from __future__ import annotations
 import importlib
 import sys
 import types
+
+import torch
 
 _NO_COND = object()
 
@@ -54,6 +58,17 @@ def _install() -> str:
 
     modeling_gemma.GemmaRMSNorm.forward = forward
     modeling_gemma._gated_residual = _gated_residual
+
+    from transformers.models.siglip import modeling_siglip
+
+    stock_encoder_forward = modeling_siglip.SiglipEncoder.forward
+
+    def encoder_forward(self, inputs_embeds, *args, **kwargs):
+        if self.layers and self.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16:
+            inputs_embeds = inputs_embeds.to(torch.bfloat16)
+        return stock_encoder_forward(self, inputs_embeds, *args, **kwargs)
+
+    modeling_siglip.SiglipEncoder.forward = encoder_forward
     check = types.ModuleType("transformers.models.siglip.check")
     check.check_whether_transformers_replace_is_installed_correctly = lambda: True
     sys.modules[check.__name__] = check
