@@ -1,0 +1,213 @@
+"""Speed of `pi0align compare` against msprobe's `msprobe compare`, measured side by side.
+
+    .venv/bin/python bench/compare_speed.py [--calls 1000,5000,20000] [--tensor-gb 1] [--quick]
+
+1. the same msprobe dumps (statistics and tensor) of a small torch MLP made with msprobe's
+   PrecisionDebugger on CPU: both tools as command-line processes (start-up included);
+2. synthetic msprobe statistics dumps of 1k, 5k and 20k calls (identical call sequences);
+3. sequence alignment: 20k calls where run B has 1% extra calls (casts) -- ours against
+   msprobe's fuzzy mode (-fm);
+4. tensor mode on our HDF5 dumps: throughput (GB/s of tensor data) and peak resident memory.
+
+Prints one line per case with both times and the ratio. Needs mindstudio-probe for cases 1-3
+(skipped with a line when absent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # dumpfactory: the test suite's dump writers
+
+PYTHON = sys.executable
+MSPROBE = shutil.which("msprobe", path=str(Path(PYTHON).parent)) or shutil.which("msprobe")
+TIMEOUT = 600
+
+# ours as a process, the way a user runs it (the CLI module may be absent while it is written)
+OURS = ("import sys; from pi0align.compare import compare_dumps; "
+        "r = compare_dumps(sys.argv[1], sys.argv[2]); print(r.verdict, r.coverage)")
+# ours as a process, also reporting peak resident memory (kB on Linux)
+OURS_RSS = OURS + "; import resource; print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+
+
+def timed(command: list[str], timeout: int = TIMEOUT) -> tuple[float, str]:
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return float("inf"), f"timeout after {timeout} s"
+    elapsed = time.perf_counter() - start
+    status = "ok" if done.returncode in (0, 1) else f"exit {done.returncode}: {done.stderr.strip()[-200:]}"
+    return elapsed, status if status != "ok" else done.stdout.strip()
+
+
+def ours(a: Path, b: Path) -> tuple[float, str]:
+    return timed([PYTHON, "-c", OURS, str(a), str(b)])
+
+
+def ours_in_process(a: Path, b: Path) -> float:
+    from pi0align.compare import compare_dumps
+
+    start = time.perf_counter()
+    compare_dumps(a, b)
+    return time.perf_counter() - start
+
+
+def msprobe(a_step: Path, b_step: Path, out: Path, fuzzy: bool = False) -> tuple[float, str]:
+    command = [MSPROBE, "compare", "--target_path", str(b_step), "--golden_path", str(a_step),
+               "--output_path", str(out)] + (["-fm"] if fuzzy else [])
+    elapsed, status = timed(command)
+    return elapsed, status if not status.startswith(("exit", "timeout")) else status
+
+
+def line(case: str, ours_s: float, theirs_s: float, extra: str = "") -> None:
+    ratio = theirs_s / ours_s if ours_s > 0 else float("nan")
+    print(f"{case:<46} ours {ours_s:8.2f} s   msprobe {theirs_s:8.2f} s   msprobe/ours {ratio:7.1f}x  {extra}",
+          flush=True)
+
+
+# --- synthetic msprobe statistics dumps --------------------------------------------------------
+
+APIS = [("Functional.linear", 3), ("Torch.matmul", 2), ("Functional.softmax", 1), ("Tensor.__add__", 2),
+        ("Functional.gelu", 1), ("Tensor.view", 1), ("Functional.layer_norm", 3), ("Tensor.__mul__", 2)]
+
+
+def _base(rng: random.Random, shape: list[int]) -> dict:
+    scale = rng.uniform(0.1, 3.0)
+    return {"Max": 3 * scale, "Min": -3 * scale, "Mean": rng.uniform(-0.1, 0.1) * scale,
+            "Norm": scale * float(np.sqrt(np.prod(shape)))}
+
+
+def _stats(rng: random.Random, shape: list[int], jitter: float, base: dict) -> dict:
+    return {"type": "torch.Tensor", "dtype": "torch.float32", "shape": shape, "requires_grad": False,
+            **{k: v * (1 + jitter * rng.gauss(0, 1)) for k, v in base.items()}}
+
+
+def write_synthetic_msprobe(folder: Path, calls: int, *, seed: int, extra_every: int = 0) -> Path:
+    """step0/rank0/{dump,stack,construct}.json with `calls` forward calls in modules of 8 calls;
+    the same structure and statistics for every seed, up to float32-like noise. extra_every > 0
+    inserts one extra `Tensor.to` cast after every extra_every-th call (msprobe's per-API counter
+    of every later cast then shifts)."""
+    structure, noise = random.Random(0), random.Random(seed)
+    data, construct, stack, counters = {}, {}, {}, {}
+
+    def add(api: str, module: str, inputs: int, shape: list[int], base: list[dict] | None = None) -> None:
+        k = counters.get(api, 0)
+        counters[api] = k + 1
+        key = f"{api}.{k}.forward"
+        data[key] = {"input_args": [_stats(noise, shape, 1e-7, b) for b in base[:inputs]],
+                     "input_kwargs": {}, "output": [_stats(noise, shape, 1e-7, base[-1])]}
+        construct[key] = f"Module.{module}.Block.forward.0"
+        stack[str(len(stack))] = [[key], [f"File /src/model.py, line {10 + len(stack) % 50}, in forward, \n x"]]
+
+    for i in range(calls):
+        api, inputs = APIS[structure.randrange(len(APIS))]
+        shape = [8, 64 * structure.randint(1, 4)]
+        base = [_base(structure, shape) for _ in range(inputs + 1)]
+        add(api, f"model.layers.{i // 8}", inputs, shape, base)
+        if extra_every and i % extra_every == extra_every - 1:
+            add("Tensor.to", f"model.layers.{i // 8}", 1, shape, base[-1:] * 2)
+    rank = folder / "step0" / "rank0"
+    rank.mkdir(parents=True, exist_ok=True)
+    (rank / "dump.json").write_text(json.dumps({"task": "statistics", "level": "L1", "framework": "pytorch",
+                                                "dump_data_dir": None, "data": data}))
+    (rank / "construct.json").write_text(json.dumps(construct))
+    (rank / "stack.json").write_text(json.dumps(stack))
+    return folder
+
+
+# --- tensor mode on our dumps ----------------------------------------------------------------
+
+def write_big_dump(path: Path, gigabytes: float, seed: int) -> int:
+    """A pi0align tensor dump of float32 tensors of 64 MiB each, `gigabytes` in all, written with
+    dumpfactory (same layout the tests use). Returns the tensor bytes."""
+    from dumpfactory import Call, Step, write_dump
+
+    elements = 1 << 24  # 64 MiB of float32
+    count = max(1, round(gigabytes * (1 << 30) / (elements * 4)))
+    rng = np.random.default_rng(0)
+    noise = np.random.default_rng(seed)
+    calls = []
+    for i in range(count):
+        value = rng.standard_normal((1 << 12, 1 << 12), dtype=np.float32)
+        value *= 1 + np.float32(1e-7) * noise.standard_normal(value.shape, dtype=np.float32)
+        calls.append(Call(f"model.layers.{i}/Functional.linear#0", f"model.layers.{i}", "Functional.linear",
+                          "forward", [("output", 0, value)]))
+    write_dump(path, [Step(0, calls, 0.0, 0.0, 0.0)], mode="tensor")
+    return count * elements * 4
+
+
+def tensor_throughput(work: Path, gigabytes: float) -> None:
+    a, b = work / "big_a.h5", work / "big_b.h5"
+    start = time.perf_counter()
+    size = write_big_dump(a, gigabytes, 1)
+    write_big_dump(b, gigabytes, 2)
+    print(f"tensor mode: wrote 2 dumps of {size / 2**30:.2f} GiB tensor data each in "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
+    elapsed, out = timed([PYTHON, "-c", OURS_RSS, str(a), str(b)])
+    rss = next((int(t.split()[1]) for t in out.splitlines() if t.startswith("maxrss_kb")), 0) / 2**20
+    print(f"tensor mode: compared 2 x {size / 2**30:.2f} GiB in {elapsed:.2f} s: "
+          f"{size / 2**30 / elapsed:.2f} GiB/s per side ({2 * size / 2**30 / elapsed:.2f} GiB/s both sides read), "
+          f"peak RSS {rss:.2f} GiB", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", default="1000,5000,20000")
+    parser.add_argument("--tensor-gb", type=float, default=1.0, help="tensor data per dump (default 1 GiB)")
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    args = parser.parse_args()
+    sizes = [int(n) for n in args.calls.split(",")] if not args.quick else [1000]
+    work = Path(tempfile.mkdtemp(prefix="compare_speed_"))
+    try:
+        if MSPROBE:
+            real_msprobe_dumps(work)
+            for n in sizes:
+                a = write_synthetic_msprobe(work / f"syn{n}_a", n, seed=1)
+                b = write_synthetic_msprobe(work / f"syn{n}_b", n, seed=2)
+                ours_s, verdict = ours(a, b)
+                theirs_s, status = msprobe(a / "step0", b / "step0", work / f"out{n}")
+                line(f"statistics, synthetic {n} calls", ours_s, theirs_s,
+                     f"(in-process ours {ours_in_process(a, b):.2f} s; ours: {verdict[:60]}; msprobe: {status[:60]})")
+            n = max(sizes)
+            a = write_synthetic_msprobe(work / f"seq{n}_a", n, seed=1)
+            b = write_synthetic_msprobe(work / f"seq{n}_b", n, seed=2, extra_every=100)
+            ours_s, verdict = ours(a, b)
+            theirs_s, status = msprobe(a / "step0", b / "step0", work / "out_fm", fuzzy=True)
+            line(f"alignment, {n} calls, B +1% extra casts (-fm)", ours_s, theirs_s,
+                 f"(in-process ours {ours_in_process(a, b):.2f} s; ours: {verdict[:80]}; msprobe: {status[:60]})")
+        else:
+            print("msprobe not installed (.venv/bin/pip install mindstudio-probe): msprobe cases skipped")
+        tensor_throughput(work, 0.25 if args.quick else args.tensor_gb)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def real_msprobe_dumps(work: Path) -> None:
+    from dumpfactory import write_msprobe_dump
+
+    for task in ("statistics", "tensor"):
+        a = write_msprobe_dump(work / f"real_{task}_a", task=task, width=256, depth=24)
+        b = write_msprobe_dump(work / f"real_{task}_b", task=task, width=256, depth=24, scale=1 + 1e-3)
+        (step_a,), (step_b,) = (list(p.glob("step0")) for p in (a, b))
+        ours_s, verdict = ours(a, b)
+        theirs_s, status = msprobe(step_a, step_b, work / f"out_real_{task}")
+        line(f"{task}, msprobe dumps of a 24-layer MLP", ours_s, theirs_s,
+             f"(in-process ours {ours_in_process(a, b):.2f} s; ours: {verdict[:50]}; msprobe: {status[:40]})")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    main()

@@ -1,0 +1,194 @@
+"""Step time of PI0 training with the dumper, as ratios to the same steps without it.
+
+Small preset, CPU, one thread. Plain and dumped steps alternate in one process, each dumped step
+timed against the plain step just before it (a CPU step drifts over a long run; fixed `MALLOC_*`
+thresholds, set by re-executing this script, steady glibc's allocator). Variants: our Dumper idle
+(started, step not selected), stats, sample and tensor mode at level mix; msprobe's
+PrecisionDebugger (when installed) at L1 and mix, statistics and tensor, each in its own process
+because it is a process-wide singleton. Also bytes written per dumped step.
+
+    .venv/bin/python bench/dump_overhead.py [--preset small] [--rounds 5] [--batch-size 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 31),
+              "MALLOC_TOP_PAD_": str(1 << 28), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+OURS = {"idle": None, "stats": "stats", "sample": "sample", "tensor": "tensor"}
+MSPROBE = {"msprobe L1 statistics": ("statistics", "L1"), "msprobe mix statistics": ("statistics", "mix"),
+           "msprobe L1 tensor": ("tensor", "L1")}
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+def build(preset: str, batch_size: int, work: Path):
+    """Policy, optimizer, scheduler, one fixed preprocessed batch, clip norm: as `pi0align run`."""
+    import torch
+
+    from pi0align.device import resolve
+    from pi0align.train.config import TrainConfig
+    from pi0align.train.data import make_loader
+    from pi0align.train.loop import build_components
+
+    torch.set_num_threads(1)
+    config = TrainConfig(preset=preset, batch_size=batch_size, threads=1, steps=10_000, out=work, progress=False)
+    parts = build_components(config, resolve("cpu"))
+    loader = make_loader(parts["dataset"], batch_size=batch_size, seed=config.seed, start_step=0, steps=1,
+                         num_workers=0, pin_memory=False)
+    batch = parts["preprocessor"](next(iter(loader)))
+    return parts["policy"], parts["optimizer"], parts["scheduler"], batch, parts["policy"].config.optimizer_grad_clip_norm
+
+
+def alternate(step_plain, variants: dict, rounds: int) -> dict[str, list[float]]:
+    """{variant: [time(variant step) / time(plain step just before)]} over `rounds` rounds."""
+    ratios = {name: [] for name in variants}
+    step_plain()  # warm-up
+    for run in variants.values():
+        run()
+    for _ in range(rounds):
+        for name, run in variants.items():
+            started = time.perf_counter()
+            step_plain()
+            plain = time.perf_counter() - started
+            started = time.perf_counter()
+            run()
+            ratios[name].append((time.perf_counter() - started) / plain)
+    return ratios
+
+
+def bench_ours(args, work: Path) -> list[tuple[str, float, float, int]]:
+    from pi0align import Dumper
+    from pi0align.train.loop import train_step
+
+    policy, optimizer, scheduler, batch, clip = build(args.preset, args.batch_size, work / "run")
+
+    def step():
+        train_step(policy, batch, optimizer, scheduler, clip)
+
+    dumpers, variants, counts = {}, {}, {}
+    for name, mode in OURS.items():
+        dumper = Dumper(work / name, steps=[] if mode is None else None, level="mix", mode=mode or "stats")
+        dumper.start(policy)
+        dumper.stop()
+        dumpers[name], counts[name] = dumper, 0
+
+        def run(dumper=dumper, name=name):
+            dumper.start(policy)
+            step()
+            dumper.step()
+            dumper.stop()
+            counts[name] += 1
+
+        variants[name] = run
+    ratios = alternate(step, variants, args.rounds)
+    for dumper in dumpers.values():
+        dumper.__exit__(None, None, None)
+    plain_time = _plain_time(step)
+    return [(name, statistics.median(r), plain_time,
+             folder_bytes(work / name) // counts[name] if OURS[name] else 0) for name, r in ratios.items()]
+
+
+def bench_msprobe(args, work: Path, name: str) -> list[tuple[str, float, float, int]]:
+    from msprobe.pytorch import PrecisionDebugger
+
+    from pi0align.train.loop import train_step
+
+    task, level = MSPROBE[name]
+    policy, optimizer, scheduler, batch, clip = build(args.preset, args.batch_size, work / "run")
+
+    def step():
+        train_step(policy, batch, optimizer, scheduler, clip)
+
+    out = work / "msprobe"
+    debugger = PrecisionDebugger(task=task, dump_path=str(out), level=level)
+    count = 0
+
+    def run():
+        nonlocal count
+        debugger.start(policy)
+        step()
+        debugger.stop()
+        debugger.step()
+        count += 1
+
+    ratios = alternate(step, {name: run}, args.rounds)
+    return [(name, statistics.median(ratios[name]), _plain_time(step), folder_bytes(out) // count)]
+
+
+def _plain_time(step) -> float:
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def msprobe_available() -> str | None:
+    """None when msprobe imports, else why not (one line)."""
+    try:
+        from msprobe.pytorch import PrecisionDebugger  # noqa: F401
+    except Exception as error:  # noqa: BLE001 - any import failure is reported, not raised
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small", choices=("tiny", "small"))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--skip-msprobe", action="store_true")
+    parser.add_argument("--msprobe-variant", help=argparse.SUPPRESS)  # internal: one msprobe variant, JSON out
+    args = parser.parse_args()
+    if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
+
+    work = Path(tempfile.mkdtemp(prefix="pi0align-bench-"))
+    try:
+        if args.msprobe_variant:
+            print(json.dumps(bench_msprobe(args, work, args.msprobe_variant)))
+            return 0
+        rows = bench_ours(args, work)
+        why_not = "skipped (--skip-msprobe)" if args.skip_msprobe else msprobe_available()
+        if why_not is None:
+            for name in MSPROBE:
+                result = subprocess.run([sys.executable, __file__, "--preset", args.preset, "--rounds", str(args.rounds),
+                                         "--batch-size", str(args.batch_size), "--msprobe-variant", name],
+                                        capture_output=True, text=True)
+                if result.returncode == 0:
+                    rows += [tuple(r) for r in json.loads(result.stdout.strip().splitlines()[-1])]
+                else:
+                    print(f"{name}: failed: {result.stderr.strip().splitlines()[-1]}")
+        else:
+            print(f"msprobe: not measured: {why_not}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(f"preset {args.preset}, batch {args.batch_size}, CPU, 1 thread, {args.rounds} rounds "
+          f"(median of dumped/plain step-time ratios)")
+    print(f"{'variant':28s} {'ratio':>7s} {'plain step s':>13s} {'bytes/step':>12s}")
+    for name, ratio, plain, size in rows:
+        print(f"{name:28s} {ratio:7.2f} {plain:13.3f} {size:12,d}")
+    ours = {name: ratio for name, ratio, _, _ in rows}
+    if "msprobe L1 statistics" in ours:
+        print(f"msprobe L1 statistics overhead / ours (stats): "
+              f"{(ours['msprobe L1 statistics'] - 1) / max(ours['stats'] - 1, 1e-9):.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Thresholds from the noise floor: two runs on the same device that should agree up to rounding
+(same seed, another thread count, or simply another run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from pi0align.compare.engine import compare_dumps
+from pi0align.compare.thresholds import JUDGED_ERRORS, UNIT_ROUNDOFF, load_thresholds, looser
+from pi0align.compare.verdict import JUDGED_PAIRINGS
+
+
+def calibrate(path_a1: str | Path, path_a2: str | Path, *, margin: float = 10.0,
+              steps: Iterable[int] | None = None) -> dict[str, dict[str, float]]:
+    """Thresholds per dtype = margin x the largest error seen between two same-device runs,
+    never below 16 unit roundoffs of the dtype. Dtypes absent from the runs keep their defaults."""
+    if margin < 1:
+        raise ValueError("margin must be at least 1")
+    rows = compare_dumps(path_a1, path_a2, steps=steps).rows
+    rows = rows[rows["pairing"].isin(JUDGED_PAIRINGS)]
+    classes = np.array([looser(x, y) for x, y in zip(rows["dtype_a"], rows["dtype_b"])], dtype=object)
+    thresholds = load_thresholds()
+    for cls in set(classes):
+        seen = rows[classes == cls]
+        floor = 16 * UNIT_ROUNDOFF[cls] if cls != "integer" else 0.0
+        for metric in JUDGED_ERRORS:
+            observed = np.nan_to_num(np.nanmax(seen[metric].to_numpy(np.float64), initial=0.0), posinf=np.inf)
+            thresholds[cls][metric] = float(observed * margin) if metric == "nan_inf_mismatch" else \
+                float(max(observed * margin, floor))
+        worst_cosine = np.nanmin(seen["cosine"].to_numpy(np.float64), initial=1.0)
+        thresholds[cls]["cosine"] = float(1.0 - max((1.0 - worst_cosine) * margin, floor * floor))
+    return thresholds

@@ -1,0 +1,121 @@
+"""Reader of pi0align dump files (docs/dump-format.md), one file = one rank."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pandas as pd
+
+from pi0align.compare.records import RECORD_COLUMNS, Bfloat16Array, Dump, call_site
+from pi0align.errors import UserError
+
+FORMAT = "pi0align-dump"
+SUPPORTED_VERSION = 1
+_CALL_COLUMNS = ["call_id", "seq", "name", "module", "api", "direction", "stack_id"]
+_RECORD_COLUMNS = ["call_id", "role", "arg_index", "dtype", "shape", "numel", "min", "max", "mean", "norm",
+                   "nan_count", "inf_count", "tensor", "sample_count", "checksum"]
+
+
+def is_pi0align_file(path: Path) -> bool:
+    return path.is_file() and h5py.is_hdf5(path)
+
+
+def read_pi0align(path: Path, steps: set[int] | None = None) -> Dump:
+    """Open one dump file; records are read now, tensors and samples later, on demand."""
+    try:
+        f = h5py.File(path, "r")
+    except OSError as error:
+        raise UserError(f"{path}: cannot open as HDF5 ({error})") from None
+    try:
+        return _read(f, path, steps)
+    except UserError:
+        f.close()
+        raise
+    except (KeyError, ValueError, OSError, json.JSONDecodeError) as error:
+        f.close()
+        raise UserError(f"{path}: corrupt pi0align dump ({error})") from None
+
+
+def _read(f: h5py.File, path: Path, steps: set[int] | None) -> Dump:
+    fmt = _text(f.attrs.get("format", ""))
+    if fmt != FORMAT:
+        raise UserError(f"{path}: not a pi0align dump (format {fmt!r}, expected {FORMAT!r})")
+    version = int(f.attrs.get("version", 0))
+    if version > SUPPORTED_VERSION:
+        raise UserError(f"{path}: dump format version {version} is newer than this pi0align reads "
+                        f"({SUPPORTED_VERSION}); upgrade pi0align")
+    rank = int(f.attrs.get("rank", 0))
+    notes, frames_of = [], _stacks(f)
+    tables, stacks = [], {}
+    for key in sorted(f.get("steps", {})):
+        group = f["steps"][key]
+        step = int(group.attrs.get("step", int(key)))
+        if steps is not None and step not in steps:
+            continue
+        if not bool(group.attrs.get("complete", True)):
+            notes.append(f"{path.name}: step {step} is incomplete (run stopped while writing it); skipped")
+            continue
+        table, step_stacks = _step_records(group, step, rank, frames_of)
+        tables.append(table)
+        stacks.update(step_stacks)
+    records = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=RECORD_COLUMNS)
+
+    def tensor_reader(step: int, tensor: str):
+        ds = f["steps"][f"{step:06d}"][tensor]
+        return Bfloat16Array(ds) if _text(ds.attrs.get("dtype", "")) == "bfloat16" else ds
+
+    def sample_reader(step: int) -> tuple[np.ndarray, np.ndarray]:
+        samples = f["steps"][f"{step:06d}"]["samples"]
+        return samples["values"][()], samples["positions"][()]
+
+    return Dump(source=str(path), kind="pi0align", mode=_text(f.attrs.get("mode", "stats")), rank=rank,
+                records=records, metrics=_metrics(f), manifest=_manifest(f), stacks=stacks,
+                tensor_reader=tensor_reader, sample_reader=sample_reader, notes=notes, close=f.close)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _column(group: h5py.Group, name: str) -> np.ndarray:
+    ds = group[name]
+    return ds.asstr()[()] if h5py.check_string_dtype(ds.dtype) else ds[()]
+
+
+def _step_records(group: h5py.Group, step: int, rank: int, frames_of: dict[int, list[str]]):
+    calls = pd.DataFrame({c: _column(group["calls"], c) for c in _CALL_COLUMNS})
+    records = pd.DataFrame({c: _column(group["records"], c) for c in _RECORD_COLUMNS})
+    records["sample_row"] = np.arange(len(records)) if "samples" in group else -1
+    merged = records.merge(calls, on="call_id", how="left", validate="many_to_one")
+    merged["call"] = merged["call_id"]
+    merged["step"], merged["rank"] = step, rank
+    site = {sid: call_site(frames) for sid, frames in frames_of.items()}
+    stack = merged["stack_id"].map(site)
+    merged["stack"] = np.where(stack.isna(), "", stack.astype(object))
+    step_stacks = {(step, int(c)): frames_of.get(int(s), []) for c, s in zip(calls["call_id"], calls["stack_id"])}
+    return merged[RECORD_COLUMNS], step_stacks
+
+
+def _stacks(f: h5py.File) -> dict[int, list[str]]:
+    if "stacks" not in f:
+        return {}
+    ids = f["stacks/stack_id"][()]
+    frames = _column(f["stacks"], "frames")
+    return {int(i): json.loads(fr) for i, fr in zip(ids, frames)}
+
+
+def _metrics(f: h5py.File) -> pd.DataFrame:
+    columns = ("step", "loss", "grad_norm", "lr")
+    if "metrics" not in f:
+        return pd.DataFrame(columns=list(columns))
+    return pd.DataFrame({c: f["metrics"][c][()] for c in columns if c in f["metrics"]})
+
+
+def _manifest(f: h5py.File) -> dict:
+    if "manifest" not in f:
+        return {}
+    raw = f["manifest"][()]
+    return json.loads(_text(raw))

@@ -1,0 +1,83 @@
+"""The one in-memory shape every reader produces: a `Dump` (one rank), whatever the file format.
+
+`records` holds one row per captured tensor with the columns in RECORD_COLUMNS; tensor and sample
+values stay on disk and are fetched on demand through the Dump's accessors, so memory stays
+bounded however large the dump.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pandas as pd
+
+RECORD_COLUMNS = [
+    "rank", "step", "call", "seq", "name", "module", "api", "direction", "role", "arg_index",
+    "dtype", "shape", "numel", "min", "max", "mean", "norm", "nan_count", "inf_count",
+    "stack", "tensor", "sample_row", "sample_count", "checksum",  # checksum -1 when unknown
+]
+
+INPUT_ROLES = ("input", "grad_output")  # what flows into a call (forward / backward)
+OUTPUT_ROLES = ("output", "grad_input")  # what flows out of it
+PARAMETER_ROLES = ("parameter", "parameter_grad")
+
+# Frames from these packages are hook and dispatch machinery, not the user's call site.
+_MACHINERY = ("/torch/", "/msprobe/", "/pi0align/dump/", "/torch_npu/")
+
+
+@dataclass
+class Dump:
+    """One rank of one run, read from either format."""
+
+    source: str
+    kind: str  # "pi0align" | "msprobe"
+    mode: str  # "stats" | "sample" | "tensor"
+    rank: int
+    records: pd.DataFrame  # RECORD_COLUMNS
+    metrics: pd.DataFrame  # step, loss, grad_norm, lr
+    manifest: dict[str, Any]
+    stacks: dict[tuple[int, int], list[str]] = field(default_factory=dict)  # (step, call) -> frames
+    # (step, record's `tensor` column) -> array-like with .shape and slicing (h5py dataset, memmap)
+    tensor_reader: Callable[[int, str], Any] | None = None
+    # (step) -> (values, positions) float64 / int64 arrays, shape (n_records_of_step, sample_size)
+    sample_reader: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None
+    notes: list[str] = field(default_factory=list)
+    close: Callable[[], None] = lambda: None
+
+
+def user_frames(frames: list[str]) -> list[str]:
+    """The frames that are user code rather than hook machinery (all of them when none is)."""
+    kept = [frame for frame in frames if not any(part in frame for part in _MACHINERY)]
+    return kept or list(frames)
+
+
+def call_site(frames: list[str]) -> str:
+    """The innermost user frame ("" when there are no frames)."""
+    kept = user_frames(frames)
+    return kept[-1] if kept else ""
+
+
+def iter_flat_chunks(a: Any, b: Any, chunk_elements: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Equal flat float64 slices of two arrays of the same shape, about chunk_elements at a time."""
+    shape = tuple(a.shape)
+    if len(shape) == 0:
+        yield np.asarray(a[()], np.float64).reshape(1), np.asarray(b[()], np.float64).reshape(1)
+        return
+    row = int(np.prod(shape[1:], dtype=np.int64))
+    rows = max(1, chunk_elements // max(row, 1))
+    for start in range(0, shape[0], rows):
+        yield (np.asarray(a[start:start + rows], np.float64).reshape(-1),
+               np.asarray(b[start:start + rows], np.float64).reshape(-1))
+
+
+class Bfloat16Array:
+    """Read view of bfloat16 stored as raw uint16 bits: slicing returns float32 values."""
+
+    def __init__(self, bits: Any):
+        self.bits, self.shape = bits, bits.shape
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        raw = np.asarray(self.bits[index], np.uint16)
+        return (raw.astype(np.uint32) << 16).view(np.float32)

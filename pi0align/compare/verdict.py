@@ -1,0 +1,41 @@
+"""Judge each row against the thresholds of its dtype: pass, warn, fail, or n/a."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from pi0align.compare.metrics import relative
+from pi0align.compare.thresholds import JUDGED_ERRORS, looser
+
+JUDGED_PAIRINGS = ("matched", "realigned", "dtype_mismatch")  # shape mismatches cannot be compared
+
+
+def severity(rows: pd.DataFrame, thresholds: dict) -> np.ndarray:
+    """Largest judged error over its limit per row (> 1 fails); NaN when nothing was judged.
+    A pair of two dtypes is judged by the looser one's thresholds."""
+    result = np.full(len(rows), np.nan)
+    judged = rows["pairing"].isin(JUDGED_PAIRINGS).to_numpy()
+    classes = np.array([looser(x, y) if j else "" for x, y, j in
+                        zip(rows["dtype_a"], rows["dtype_b"], judged)], dtype=object)
+    for cls in set(classes[judged]):
+        mask = classes == cls
+        limits = thresholds[cls]
+        ratios = [relative(rows.loc[mask, m].to_numpy(np.float64), np.full(mask.sum(), limits[m]))
+                  for m in JUDGED_ERRORS]
+        ratios.append(relative(1.0 - rows.loc[mask, "cosine"].to_numpy(np.float64),
+                               np.full(mask.sum(), 1.0 - limits["cosine"])))
+        stacked = np.vstack(ratios)
+        with np.errstate(invalid="ignore"):
+            any_value = ~np.isnan(stacked).all(axis=0)
+            result[mask] = np.where(any_value, np.nanmax(np.where(np.isnan(stacked), -np.inf, stacked), axis=0),
+                                    np.nan)
+    return result
+
+
+def verdicts(rows: pd.DataFrame, severities: np.ndarray, thresholds: dict) -> np.ndarray:
+    warn_at = np.array([thresholds[looser(x, y)]["warn_fraction"] if not np.isnan(s) else np.nan
+                        for x, y, s in zip(rows["dtype_a"], rows["dtype_b"], severities)])
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isnan(severities), "n/a",
+                        np.where(severities > 1, "fail", np.where(severities > warn_at, "warn", "pass")))

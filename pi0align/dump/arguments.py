@@ -1,0 +1,49 @@
+"""The tensors of a call, flattened, and its other arguments as replayable JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+
+import torch
+
+_MAX_REPR = 200
+
+
+def flatten_tensors(value, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Append every tensor in `value`, depth-first through tuples, lists and dicts, to `out`."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            flatten_tensors(item, out)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            flatten_tensors(item, out)
+    return out
+
+
+def describe_arguments(args: tuple, kwargs: dict) -> str:
+    """`{"args": [...], "kwargs": {...}}` with tensors as `{"tensor": k}`, k in flattening order."""
+    counter = iter(range(1 << 62))
+    described = {
+        "args": [_describe(a, counter) for a in args],
+        "kwargs": {str(k): _describe(v, counter) for k, v in kwargs.items()},
+    }
+    return json.dumps(described, separators=(",", ":"))
+
+
+def _describe(value, counter):
+    if isinstance(value, torch.Tensor):
+        return {"tensor": next(counter)}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"repr": repr(value)}
+    if isinstance(value, (tuple, list)):
+        return [_describe(v, counter) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _describe(v, counter) for k, v in value.items()}
+    text = repr(value)
+    return {"repr": text if len(text) <= _MAX_REPR else text[:_MAX_REPR] + "…"}

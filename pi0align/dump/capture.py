@@ -1,0 +1,237 @@
+"""Hooks that feed a StepLog: torch API calls (a TorchFunctionMode), module forwards, autograd
+nodes for backward, parameters and their gradients. `remove` undoes everything `install` did."""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from pi0align.dump import backward
+from pi0align.dump.arguments import describe_arguments, flatten_tensors
+from pi0align.dump.naming import ApiNames, Namer, is_inplace
+from pi0align.dump.stacks import Stacks
+from pi0align.dump.steplog import Filter, StepLog
+
+LEVELS = ("api", "module", "mix")
+_BACKWARD = (torch.Tensor.backward, torch.autograd.backward)
+_quiet = torch._C.DisableTorchFunction  # the dumper's own tensor work is never captured
+
+
+class Capture:
+    """Everything installed on a model during dumped steps; records into the current StepLog."""
+
+    def __init__(self, level: str, selected: Filter) -> None:
+        self.level = level
+        self.selected = selected
+        self.api_names = ApiNames()
+        self.namer = Namer()
+        self.stacks = Stacks()
+        self.log: StepLog | None = None
+        self._mode: _ApiMode | None = None
+        self._handles: list = []
+        self._module_paths: list[str] = []  # modules executing, innermost last
+        self._open_modules: list[tuple | None] = []  # (call_id, name, sink) per executing module
+        # After backward, the rest of the step (clipping, optimizer) is not the model's: calls are
+        # captured again from the model's next forward (gradient accumulation) or the next step.
+        self.after_backward = False
+        self._parameters: list[tuple[str, str, torch.nn.Parameter]] = []  # (name, module, param)
+        self._param_rows: dict[int, list] | None = None  # id(param) -> its value record, once read
+        self._grad_rows: dict[int, list] = {}  # id(param) -> its latest gradient record
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles) or self._mode is not None
+
+    def install(self, model: torch.nn.Module | None) -> None:
+        if model is not None:
+            for path, module in model.named_modules():
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook(path), with_kwargs=True))
+                self._handles.append(
+                    module.register_forward_hook(self._post_hook(path), with_kwargs=True, always_call=True)
+                )
+            for name, param in model.named_parameters():
+                self._parameters.append((name, name.rpartition(".")[0], param))
+                if param.requires_grad:
+                    self._handles.append(param.register_post_accumulate_grad_hook(self._grad_hook(name)))
+        if self.level != "module":
+            self._mode = _ApiMode(self)
+            self._mode.__enter__()
+
+    def remove(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._parameters.clear()
+        self._module_paths.clear()
+        self._open_modules.clear()
+
+    def begin_step(self, log: StepLog) -> None:
+        self.log = log
+        self.after_backward = False
+        self.namer.reset()
+        self._param_rows = None
+        self._grad_rows = {}
+        self._module_paths.clear()
+        self._open_modules.clear()
+
+    def end_step(self) -> StepLog | None:
+        """Close the step, giving the parameters their call rows last (after every backward call).
+        None when nothing ran in the step."""
+        log, self.log = self.log, None
+        if log is None or not log.calls:
+            return None
+        for name, module, param in self._parameters:
+            value, grad = (self._param_rows or {}).get(id(param)), self._grad_rows.get(id(param))
+            if value is None and grad is None:
+                continue
+            call_id = log.open_call(f"{name}/Parameter#0", module, "Parameter", "parameter", -1, "{}")
+            for row in (value, grad):
+                if row is not None:
+                    row[0] = call_id
+        return log
+
+    # ---- forward -------------------------------------------------------------------------------
+
+    def _read_parameters(self) -> None:
+        """The parameters' values as the step's forward first reads them: once per step."""
+        self._param_rows = {}
+        with _quiet():
+            for name, _, param in self._parameters:
+                record_name = f"{name}/Parameter#0"
+                if self.selected(record_name):
+                    row = self.log.add_tensor(-1, record_name, "parameter", 0, param)
+                    self._param_rows[id(param)] = row
+
+    def _open(self, module: str, api: str, args: tuple, kwargs: dict) -> tuple[int, str] | None:
+        """Name the call and open its row; None when the filter leaves it out."""
+        if self._param_rows is None:
+            self._read_parameters()
+        name = self.namer.next(module, api)
+        if not self.selected(name):
+            return None
+        stack_id = self.stacks.current(module)
+        call_id = self.log.open_call(name, module, api, "forward", stack_id, describe_arguments(args, kwargs))
+        return call_id, name
+
+    def api_call(self, func, api: str, args: tuple, kwargs: dict):
+        """Run one torch call, recording its inputs and outputs and watching its backward."""
+        module = self._module_paths[-1] if self._module_paths else ""
+        inputs = flatten_tensors(kwargs, flatten_tensors(args, []))
+        if is_inplace(api, kwargs):
+            # The call overwrites an input: its statistics and gradient edge must come first.
+            opened = self._open(module, api, args, kwargs)
+            if opened is None:
+                return func(*args, **kwargs)
+            self.log.add_tensors(opened[0], opened[1], "input", inputs)
+            edges = backward.input_edges(inputs) if torch.is_grad_enabled() else []
+            result = func(*args, **kwargs)
+            outputs = flatten_tensors(result, []) or inputs[:1]
+        else:
+            result = func(*args, **kwargs)
+            outputs = flatten_tensors(result, [])
+            if not outputs:
+                return result  # a query (size, item, ...) or an action (backward): nothing to record
+            opened = self._open(module, api, args, kwargs)
+            if opened is None:
+                return result
+            self.log.add_tensors(opened[0], opened[1], "input", inputs)
+            edges = backward.input_edges(inputs) if torch.is_grad_enabled() else []
+        call_id, name = opened
+        self.log.add_tensors(call_id, name, "output", outputs)
+        if edges or any(o.requires_grad for o in outputs):
+            backward.watch(outputs, edges, self._grad_sink(call_id))
+        return result
+
+    def _pre_hook(self, path: str):
+        api = None
+
+        def hook(module, args, kwargs):
+            nonlocal api
+            self._module_paths.append(path)
+            self.after_backward = False
+            opened = None
+            if self.log is not None and self.level != "api":
+                api = api or f"Module.{type(module).__name__}"
+                with _quiet():
+                    opened = self._open(path, api, args, kwargs)
+                    if opened is not None:
+                        call_id, name = opened
+                        inputs = flatten_tensors(kwargs, flatten_tensors(args, []))
+                        self.log.add_tensors(call_id, name, "input", inputs)
+                        opened = (call_id, name, self._grad_sink(call_id))
+                        backward.watch_tensor_grads(inputs, "grad_input", opened[2])
+            self._open_modules.append(opened)
+
+        return hook
+
+    def _post_hook(self, path: str):
+        def hook(module, args, kwargs, output):
+            if not self._module_paths or self._module_paths[-1] != path:
+                return  # hooks installed while this module was already running
+            self._module_paths.pop()
+            opened = self._open_modules.pop()
+            if opened is not None and self.log is not None:
+                call_id, name, sink = opened
+                with _quiet():
+                    outputs = flatten_tensors(output, [])
+                    self.log.add_tensors(call_id, name, "output", outputs)
+                    backward.watch(outputs, [], sink)
+
+        return hook
+
+    # ---- backward ------------------------------------------------------------------------------
+
+    def _grad_sink(self, forward_id: int):
+        """Records gradients of one forward call; its backward row opens when the first arrives."""
+        log = self.log
+        backward_id = None
+
+        def sink(role: str, arg_index: int, grad: torch.Tensor) -> None:
+            nonlocal backward_id
+            if self.log is not log:
+                return  # a graph kept past its step (retain_graph) or past stop()
+            _, name, module, api, _, stack_id, args = log.calls[forward_id]
+            with _quiet():
+                if backward_id is None:
+                    backward_id = log.open_call(name, module, api, "backward", stack_id, args)
+                log.add_tensor(backward_id, name, role, arg_index, grad)
+
+        return sink
+
+    def _grad_hook(self, name: str):
+        record_name = f"{name}/Parameter#0"
+
+        def hook(param: torch.nn.Parameter) -> None:
+            if self.log is None or param.grad is None or not self.selected(record_name):
+                return
+            with _quiet():
+                earlier = self._grad_rows.get(id(param))
+                if earlier is not None:
+                    self.log.drop(earlier)  # gradient accumulation: the last sum is the gradient
+                self._grad_rows[id(param)] = self.log.add_tensor(-1, record_name, "parameter_grad", 0, param.grad)
+
+        return hook
+
+
+class _ApiMode(TorchFunctionMode):
+    """Sees every torch function, Tensor method and operator call; torch pops the mode while a
+    call runs, so calls made inside a captured call are not captured again."""
+
+    def __init__(self, capture: Capture) -> None:
+        super().__init__()
+        self.capture = capture
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        capture = self.capture
+        api = capture.api_names(func)
+        if api is None or capture.log is None or capture.after_backward:
+            return func(*args, **kwargs)
+        if func in _BACKWARD:
+            result = func(*args, **kwargs)
+            capture.after_backward = True
+            return result
+        return capture.api_call(func, api, args, kwargs)

@@ -1,0 +1,215 @@
+"""`Dumper`: the public face of the dump part, shaped like msprobe's PrecisionDebugger."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from pi0align.dump.capture import LEVELS, Capture
+from pi0align.dump.manifest import build_manifest
+from pi0align.dump.sampling import Sampler
+from pi0align.dump.stats import ChecksumWeights
+from pi0align.dump.steplog import Filter, StepLog
+from pi0align.dump.writer import DumpFile, TensorWriter
+from pi0align.errors import UserError
+
+MODES = ("stats", "sample", "tensor")
+
+
+class Dumper:
+    """Capture every torch API call and module forward/backward of chosen training steps into an
+    HDF5 dump file (docs/dump-format.md).
+
+    Either call `start(model)` once before the loop, `step()` after each optimizer step and
+    `stop()` at the end, or, msprobe-style, `start(model)` / `stop()` around each step followed
+    by `step()`. Outside the chosen steps nothing is installed on the model.
+
+    path: a folder (the file is `dump.h5`, `dump-rank<R>.h5` when the world size is above 1) or
+        a `.h5` file path.
+    steps: the step numbers to dump (counted by `step()` from 0, or from `start(step=...)`);
+        None dumps every step.
+    level: "api" (torch calls), "module" (module forwards) or "mix" (both).
+    mode: "stats" (statistics and checksum), "sample" (plus `sample_size` elements at positions
+        fixed by the record's name and shape) or "tensor" (plus every full tensor).
+    ranks: the ranks that dump (None: all).
+    include, exclude: fnmatch patterns over record names (`module.path/API#k`).
+    manifest: run facts to store (seed, seed_impl, config, dataset_fingerprint, git_commit, ...).
+    """
+
+    def __init__(self, path: str | os.PathLike, steps: Iterable[int] | None = None, level: str = "mix",
+                 mode: str = "stats", ranks: Iterable[int] | None = None, include: list[str] | None = None,
+                 exclude: list[str] | None = None, sample_size: int = 256, manifest: dict | None = None) -> None:
+        if level not in LEVELS:
+            raise UserError(f"dump level must be one of {', '.join(LEVELS)}, not {level!r}")
+        if mode not in MODES:
+            raise UserError(f"dump mode must be one of {', '.join(MODES)}, not {mode!r}")
+        if sample_size < 1:
+            raise UserError(f"dump sample size must be at least 1, not {sample_size}")
+        self.path = Path(path)
+        self.steps = None if steps is None else frozenset(int(s) for s in steps)
+        self.level, self.mode, self.sample_size = level, mode, sample_size
+        self.ranks = None if ranks is None else frozenset(int(r) for r in ranks)
+        self._filter = Filter(include, exclude)
+        self._manifest = manifest
+        self._step = 0
+        self._model: torch.nn.Module | None = None
+        self._file: DumpFile | None = None
+        self._tensors: TensorWriter | None = None
+        self._tensors_file: str | None = None
+        self._capture: Capture | None = None
+        self._weights = ChecksumWeights()
+        self._sampler = Sampler(sample_size) if mode == "sample" else None
+        self._metrics: list[tuple] = []
+        self._started = False
+        self._rank, self._world_size = _rank_and_world_size()  # again at start(): after init_process_group
+
+    # ---- public API ----------------------------------------------------------------------------
+
+    @property
+    def file(self) -> Path:
+        """The dump file of this rank."""
+        if self.path.suffix == ".h5":
+            return self.path if self._world_size == 1 else self.path.with_stem(f"{self.path.stem}-rank{self._rank}")
+        return self.path / ("dump.h5" if self._world_size == 1 else f"dump-rank{self._rank}.h5")
+
+    @property
+    def current_step(self) -> int:
+        return self._step
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this rank dumps."""
+        return self.ranks is None or self._rank in self.ranks
+
+    def start(self, model: torch.nn.Module | None = None, step: int | None = None,
+              manifest: dict | None = None) -> Dumper:
+        """Begin (or resume, msprobe-style) dumping `model`; `step` sets the current step number,
+        `manifest` adds run facts to the manifest. The first call creates the dump file
+        (replacing one left by an earlier run)."""
+        if manifest is not None:
+            self._manifest = {**(self._manifest or {}), **manifest}
+        if step is not None:
+            self._step = int(step)
+        if self._file is None:
+            self._rank, self._world_size = _rank_and_world_size()
+        if not self.enabled:
+            return self
+        self._model = model if model is not None else self._model
+        if self._file is None:
+            self._open_file()
+        self._started = True
+        self._follow_selection()
+        return self
+
+    def step(self) -> None:
+        """End the current training step (write it if it was dumped) and move to the next."""
+        self._end_step()
+        self._step += 1
+        if self._started:
+            self._follow_selection()
+
+    def stop(self) -> None:
+        """Remove every hook, write what the current step captured so far and pending metrics."""
+        self._started = False
+        self._end_step()
+        self._uninstall()
+        if self._metrics and self._file is not None:
+            self._write(None)
+
+    def record_metrics(self, step: int, loss: float, grad_norm: float | None = None, lr: float | None = None) -> None:
+        """Log one training step's loss, gradient norm and learning rate (dumped step or not);
+        written with the next dumped step or at `stop()`."""
+        if self.enabled:
+            self._metrics.append((int(step), *(_as_float(v) for v in (loss, grad_norm, lr))))
+
+    def __enter__(self) -> Dumper:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if self._tensors is not None:
+            self._tensors.close()
+            self._tensors = None
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _open_file(self) -> None:
+        attrs = {
+            "rank": self._rank, "world_size": self._world_size, "mode": self.mode, "level": self.level,
+            "sample_size": self.sample_size if self.mode == "sample" else 0,
+        }
+        manifest = build_manifest(self._model, self._rank, self._world_size, self._manifest)
+        try:
+            self._file = DumpFile(self.file, attrs, manifest)
+        except OSError as error:
+            raise UserError(f"cannot write the dump file {self.file}: {_reason(error)}") from None
+        if self.mode == "tensor":
+            self._tensors = TensorWriter(self.file)
+
+    def _selected(self) -> bool:
+        return self.steps is None or self._step in self.steps
+
+    def _follow_selection(self) -> None:
+        """Install the hooks for a chosen step (and open its log), remove them otherwise."""
+        if not self._selected():
+            self._uninstall()
+            return
+        if self._capture is None:
+            self._capture = Capture(self.level, self._filter)
+        if not self._capture.installed:
+            self._capture.install(self._model)
+        if self._capture.log is None:
+            sink = None
+            if self._tensors is not None:
+                self._tensors_file = self._tensors.begin_step(self._step)
+                sink = self._tensors.put
+            self._capture.begin_step(StepLog(self._step, self._weights, self._sampler, sink))
+
+    def _uninstall(self) -> None:
+        if self._capture is not None and self._capture.installed:
+            self._capture.remove()
+
+    def _end_step(self) -> None:
+        """Write the current step if it captured anything; the file is closed again afterwards."""
+        if self._capture is None or self._capture.log is None:
+            return
+        log = self._capture.end_step()
+        try:
+            if self._tensors is not None:
+                self._tensors.end_step()
+            if log is not None:
+                self._write(log)
+        except OSError as error:
+            self._uninstall()
+            raise UserError(f"cannot write the dump file {self.file}: {_reason(error)}") from None
+
+    def _write(self, log: StepLog | None) -> None:
+        with torch._C.DisableTorchFunction():
+            tables = log.finish() if log is not None else None
+        stacks = self._capture.stacks.take_new() if self._capture is not None else []
+        metrics, self._metrics = self._metrics, []
+        tensors_file = self._tensors_file if tables is not None and self._tensors is not None else None
+        try:
+            self._file.write(tables, stacks, metrics, tensors_file)
+        except OSError as error:
+            raise UserError(f"cannot write the dump file {self.file}: {_reason(error)}") from None
+
+
+def _rank_and_world_size() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _as_float(value) -> float:
+    if value is None:
+        return math.nan
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+def _reason(error: OSError) -> str:
+    return error.strerror or str(error).splitlines()[0]

@@ -1,0 +1,65 @@
+"""The run manifest: what the dumper can tell about the environment and the model by itself,
+completed by what the caller knows (seed, config, dataset) through `Dumper(manifest=...)`."""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import sys
+from importlib import metadata
+
+import torch
+
+_PACKAGES = {
+    "torch": "torch", "torch_npu": "torch-npu", "transformers": "transformers", "lerobot": "lerobot",
+    "deepspeed": "deepspeed", "accelerate": "accelerate", "msprobe": "mindstudio-probe",
+}
+_KEYS = ("seed", "seed_impl", "config", "dataset_fingerprint", "git_commit")
+
+
+def versions() -> dict[str, str | None]:
+    found = {"python": platform.python_version()}
+    for key, distribution in _PACKAGES.items():
+        try:
+            found[key] = metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            found[key] = None
+    return found
+
+
+def weights_sha256(model: torch.nn.Module) -> str:
+    """SHA-256 over the state dict (names, dtypes, shapes and raw bytes, in key order)."""
+    digest = hashlib.sha256()
+    with torch._C.DisableTorchFunction():
+        for name, tensor in sorted(model.state_dict().items()):
+            digest.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}".encode())
+            host = tensor.detach().to("cpu").contiguous()
+            digest.update(host.reshape(-1).view(torch.uint8).numpy().tobytes() if host.numel() else b"")
+    return digest.hexdigest()
+
+
+def build_manifest(model: torch.nn.Module | None, rank: int, world_size: int, given: dict | None) -> dict:
+    """Every key docs/dump-format.md promises; `given` values win over what is found here."""
+    first = next(iter(model.parameters()), None) if model is not None else None
+    device = first.device if first is not None else torch.device("cpu")
+    module = getattr(torch, device.type, None) if device.type != "cpu" else None
+    manifest = {
+        "device": device.type,
+        "device_name": module.get_device_name(device) if module is not None else platform.processor() or platform.machine(),
+        "device_count": module.device_count() if module is not None else 1,
+        "dtype": str(first.dtype).removeprefix("torch.") if first is not None else None,
+        "world_size": world_size,
+        "rank": rank,
+        "versions": versions(),
+        "weights_sha256": None,
+        "argv": sys.argv,
+        **{key: None for key in _KEYS},
+    }
+    manifest["versions"]["cann"] = None
+    given = dict(given or {})
+    given_versions = given.pop("versions", None) or {}
+    manifest.update(given)
+    manifest["versions"].update(given_versions)
+    if manifest["weights_sha256"] is None and model is not None:
+        manifest["weights_sha256"] = weights_sha256(model)
+    return manifest

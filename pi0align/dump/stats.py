@@ -1,0 +1,160 @@
+"""Statistics of captured tensors, computed on the tensor's own device and read back once per step.
+
+`StatsBatch.add` queues a handful of reductions per tensor and returns a slot; `collect` stacks
+every slot's results and copies them to the host in one transfer per device. Nothing here reads a
+value back per tensor on an accelerator; on the CPU, where reading a value costs nothing, one
+finiteness check picks the cheap unmasked path for the (usual) tensors without NaN or Inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+CHECKSUM_PERIOD = 65521  # weights are position mod this + 1: a prime, so shifts change the sum
+_BITS_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def skip_reason(tensor: torch.Tensor) -> str:
+    """Why a tensor gets no statistics ("" when it gets them)."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        return f"subclass:{type(tensor).__name__}"
+    if tensor.layout != torch.strided:
+        return "sparse"
+    if tensor.is_meta:
+        return "meta"
+    if tensor.is_complex():
+        return "complex"
+    if tensor.is_quantized:
+        return "subclass:quantized"
+    if tensor.numel() == 0:
+        return "empty"
+    return ""
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype statistics are computed in: float32 for float32 and narrower floats, else float64."""
+    return torch.float32 if dtype.is_floating_point and dtype.itemsize <= 4 else torch.float64
+
+
+class ChecksumWeights:
+    """The position weights 1 … 65521, cached per device and integer dtype."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def get(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        weights = self._cache.get((device, dtype))
+        if weights is None:
+            weights = self._cache[(device, dtype)] = torch.arange(1, CHECKSUM_PERIOD + 1, dtype=dtype, device=device)
+        return weights
+
+
+def checksum(flat: torch.Tensor, weights: ChecksumWeights) -> torch.Tensor:
+    """Σ bits[i] × (i mod 65521 + 1) over a flat tensor (docs/dump-format.md); 0-d, on its device.
+
+    Integer arithmetic wraps the same way in any order, so equal bits give an equal checksum on
+    any device whatever its reduction order. Whole periods are first summed column-wise (one
+    cheap pass), so only 65521 products remain per tensor, plus the last partial period.
+    """
+    size = flat.element_size()
+    bits = flat.view(_BITS_VIEW[size])
+    dtype = torch.int64 if size == 8 else torch.int32
+    if size < 4:
+        bits = bits.to(dtype)
+    w = weights.get(bits.device, dtype)
+    rows = bits.numel() // CHECKSUM_PERIOD
+    tail = bits[rows * CHECKSUM_PERIOD :]
+    total = _weighted_sum(tail, w[: tail.numel()])
+    if rows:
+        columns = bits[: rows * CHECKSUM_PERIOD].view(rows, CHECKSUM_PERIOD).sum(0, dtype=dtype)
+        total = total + _weighted_sum(columns, w)
+    return total
+
+
+def _weighted_sum(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    if values.device.type == "cpu":
+        return torch.dot(values, weights)  # one fused pass; accelerators lack integer dot
+    return torch.sum(values * weights, dtype=values.dtype)
+
+
+class StatsBatch:
+    """Statistics of every tensor captured in one step, gathered on the device until `collect`."""
+
+    def __init__(self, weights: ChecksumWeights) -> None:
+        self._weights = weights
+        self._floats: list[torch.Tensor] = []  # 4 0-d tensors per slot: min, max, sum, sum of squares
+        self._counts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> (nan, inf); absent = 0
+        self._checksums: list[torch.Tensor] = []
+        self._numel: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._numel)
+
+    def add(self, tensor: torch.Tensor) -> int:
+        """Queue the statistics of a tensor that `skip_reason` accepts; returns its slot."""
+        slot = len(self._numel)
+        flat = tensor.detach().reshape(-1)
+        if flat.dtype == torch.bool:
+            flat = flat.view(torch.uint8)
+        acc = stats_dtype(flat.dtype)
+        values = flat if flat.dtype == acc else flat.to(acc)
+        lo, hi = values.amin(), values.amax()  # twice as fast as aminmax on the CPU
+        total = values.sum()
+        squares = torch.dot(values, values)
+        # A NaN or Inf anywhere makes the sums NaN or Inf. Reading them back is free on the CPU
+        # only; elsewhere the masked statistics are always computed, without a synchronisation.
+        if values.device.type != "cpu" or not math.isfinite(total.item() + squares.item()):
+            lo, hi, total, squares, nan, inf = _masked(values)
+            self._counts[slot] = (nan, inf)
+        self._floats += (lo, hi, total, squares)
+        self._checksums.append(checksum(flat, self._weights))
+        self._numel.append(flat.numel())
+        return slot
+
+    def collect(self) -> tuple[np.ndarray, np.ndarray]:
+        """(float64 [n, 4] min/max/mean/norm, int64 [n, 3] nan/inf/checksum), one copy per device."""
+        n = len(self)
+        floats = np.full((n, 4), np.nan)
+        ints = np.zeros((n, 3), dtype=np.int64)
+        if not n:
+            return floats, ints
+        floats[:] = _stack_to_host(self._floats).reshape(n, 4)
+        ints[:, 2] = _stack_to_host(self._checksums)
+        if self._counts:
+            slots = list(self._counts)
+            ints[slots, :2] = _stack_to_host([c for s in slots for c in self._counts[s]]).reshape(-1, 2)
+        finite = np.array(self._numel, dtype=np.float64) - ints[:, 0] - ints[:, 1]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            floats[:, 2] /= finite
+            floats[:, 3] = np.sqrt(floats[:, 3])
+        floats[finite == 0] = np.nan
+        return floats, ints
+
+
+def _masked(values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """min, max, sum, sum of squares over the finite elements, then the NaN and Inf counts."""
+    finite = torch.isfinite(values)
+    nan = torch.isnan(values).sum()
+    inf = values.numel() - finite.sum() - nan
+    zeroed = torch.where(finite, values, 0)
+    lo = torch.where(finite, values, math.inf).amin()
+    hi = torch.where(finite, values, -math.inf).amax()
+    return lo, hi, zeroed.sum(), torch.dot(zeroed, zeroed), nan, inf
+
+
+def _stack_to_host(values: list[torch.Tensor]) -> np.ndarray:
+    """Stack same-shape tensors (any dtypes, any devices) into one host array, one copy per device."""
+    by_group: dict[tuple, list[int]] = {}
+    for i, value in enumerate(values):
+        by_group.setdefault((value.device, value.dtype), []).append(i)
+    out = None
+    for (_, dtype), indices in by_group.items():
+        host = torch.stack([values[i] for i in indices]).cpu()
+        host = host.numpy() if dtype in (torch.int64, torch.float64) else host.double().numpy()
+        if out is None:
+            out = np.empty((len(values), *host.shape[1:]), dtype=host.dtype)
+        out[indices] = host
+    return out

@@ -1,0 +1,74 @@
+"""The headline of a Comparison as JSON-ready data: what `--json` writes and the HTML report shows.
+
+One function builds it so that the JSON file and the HTML page can never disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from pi0align.compare.result import CallRef, Comparison
+
+JSON_SCHEMA_VERSION = 1
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with NaN/Inf as None, numpy and pandas scalars as Python ones, tuples as lists.
+
+    Strict JSON has no NaN; a null says "not computable" just as well.
+    """
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):  # numpy scalar or array
+        return json_safe(value.tolist())
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if _is_missing(value):  # pandas.NA, NaT
+        return None
+    return str(value)
+
+
+def _is_missing(value: Any) -> bool:
+    try:
+        return bool(value != value)  # NaN-like values are unequal to themselves
+    except TypeError:  # pandas.NA refuses bool()
+        return True
+
+
+def call_dict(call: CallRef) -> dict[str, Any]:
+    """A call or culprit as a JSON object: step, name, module, api, direction, stack, rank, then the rest."""
+    return json_safe(dataclasses.asdict(call))
+
+
+def optional_call_dict(call: CallRef | None) -> dict[str, Any] | None:
+    return None if call is None else call_dict(call)
+
+
+def summary(comparison: Comparison) -> dict[str, Any]:
+    """Everything of `comparison` except its rows and metrics, JSON-ready (see docs/compare-json.md)."""
+    return {
+        "schema_version": JSON_SCHEMA_VERSION,
+        "verdict": comparison.verdict,
+        "source_a": comparison.source_a,
+        "source_b": comparison.source_b,
+        "coverage": json_safe(comparison.coverage),
+        "row_verdicts": verdict_counts(comparison),
+        "first_divergence": optional_call_dict(comparison.first_divergence),
+        "first_divergence_backward": optional_call_dict(comparison.first_divergence_backward),
+        "culprits": [call_dict(culprit) for culprit in comparison.culprits],
+        "thresholds": json_safe(comparison.thresholds),
+        "manifest_diff": [{"key": key, "a": json_safe(a), "b": json_safe(b)} for key, a, b in comparison.manifest_diff],
+        "notes": list(comparison.notes),
+    }
+
+
+def verdict_counts(comparison: Comparison) -> dict[str, int]:
+    """How many rows passed, warned, failed or could not be judged."""
+    counts = comparison.rows["verdict"].value_counts()
+    return {verdict: int(counts.get(verdict, 0)) for verdict in ("pass", "warn", "fail", "n/a")}

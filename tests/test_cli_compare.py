@@ -1,0 +1,155 @@
+"""`pi0align compare` end to end on real dump files (tests/dumpfactory.py): exit codes, outputs,
+one-line errors, no torch, and the HTML report of a real fault in the browser."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+from conftest import assert_one_line_error
+from dumpfactory import Fault, run_toy_model, write_dump
+from test_report_html import browser, column_texts  # noqa: F401  (browser is a fixture)
+
+from pi0align.cli.main import main
+
+FAULT = Fault("model.layers.1.linear/Functional.linear#0")
+FAULT_MODULE = "model.layers.1.linear"
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dumps")
+    reference = run_toy_model(seed=0, steps=2)
+    return {
+        "gpu": write_dump(folder / "gpu" / "dump.h5", reference, mode="tensor"),
+        "same": write_dump(folder / "same" / "dump.h5", reference, mode="tensor"),
+        "fault": write_dump(folder / "npu" / "dump.h5", run_toy_model(seed=0, steps=2, fault=FAULT), mode="tensor"),
+        "noop": write_dump(folder / "noop" / "dump.h5", run_toy_model(seed=0, steps=2, extra_noop="model.layers.1"),
+                           mode="tensor"),
+        "seed1": write_dump(folder / "seed1" / "dump.h5", run_toy_model(seed=1, steps=2), mode="tensor"),
+        "corrupt": _write(folder / "corrupt.h5", b"\x89HDF\r\n\x1a\n but not really"),
+    }
+
+
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
+def compare(*args, cwd) -> subprocess.CompletedProcess:
+    """Run `pi0align compare` as a user would, in a fresh process, from `cwd` (where reports/ goes)."""
+    return subprocess.run([sys.executable, "-m", "pi0align.cli.main", "compare", *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd)
+
+
+def test_same_run_twice_is_aligned_and_writes_every_output(dumps, tmp_path):
+    run = compare(dumps["gpu"], dumps["same"], "--csv", tmp_path / "rows.csv", "--json", tmp_path / "summary.json",
+                  cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "ALIGNED" in run.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["verdict"] == "aligned" and summary["first_divergence"] is None and summary["culprits"] == []
+    assert summary["coverage"]["only_a"] == summary["coverage"]["only_b"] == 0
+    rows = pd.read_csv(tmp_path / "rows.csv")
+    assert len(rows) == summary["coverage"]["matched"] and set(rows["verdict"]) == {"pass"}
+    assert (tmp_path / "reports" / "gpu-vs-same.html").is_file()  # the default HTML report
+
+
+def test_injected_fault_is_the_first_divergence_and_top_culprit(dumps, tmp_path, capsys):
+    code = main(["compare", str(dumps["gpu"]), str(dumps["fault"]), "--json", str(tmp_path / "summary.json"),
+                 "--no-html", "--top", "3"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "DIVERGED" in out and FAULT_MODULE in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["verdict"] == "diverged"
+    assert summary["first_divergence"]["name"] == FAULT.name and summary["first_divergence"]["step"] == 0
+    assert summary["culprits"][0]["name"] == FAULT.name and summary["culprits"][0]["module"] == FAULT_MODULE
+    assert summary["culprits"][0]["stack"]  # where to look
+    assert not (tmp_path / "reports").exists()
+
+
+def test_different_seeds_diverge(dumps, tmp_path):
+    run = compare(dumps["gpu"], dumps["seed1"], "--no-html", cwd=tmp_path)
+    assert run.returncode == 1, run.stderr
+    assert "DIVERGED" in run.stdout
+
+
+def test_extra_call_on_one_side_is_aligned_and_listed(dumps, tmp_path, capsys):
+    code = main(["compare", str(dumps["gpu"]), str(dumps["noop"]), "--json", str(tmp_path / "summary.json"),
+                 "--no-html"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "records on one side only" in out and "model.layers.1/Tensor.__add__#0" in out
+    coverage = json.loads((tmp_path / "summary.json").read_text())["coverage"]
+    assert coverage["only_a"] == 0 and coverage["only_b"] > 0
+
+
+def test_calibrated_thresholds_keep_the_same_run_aligned(dumps, tmp_path, capsys):
+    code = main(["compare", str(dumps["gpu"]), str(dumps["same"]), "--calibrate", str(dumps["gpu"]),
+                 str(dumps["same"]), "--json", str(tmp_path / "summary.json"), "--no-html"])
+    assert code == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["verdict"] == "aligned"
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["{missing}", "{gpu}"], "missing.h5"),
+    (["{corrupt}", "{gpu}"], "corrupt.h5"),
+    (["{gpu}", "{fault}", "--threshold", "fp32.no_such_metric=1"], "no_such_metric"),
+    (["{gpu}", "{fault}", "--thresholds", "{missing}"], "missing.h5"),
+    (["{gpu}", "{fault}", "--calibrate", "{gpu}", "{same}", "--threshold", "fp32.cosine=0.9"], "--calibrate"),
+    (["{gpu}", "{fault}", "--json", "{corrupt}/summary.json"], "summary.json"),
+    (["{gpu}", "{fault}", "--steps", "three"], "steps"),
+])
+def test_bad_input_is_one_line_and_exit_2(dumps, tmp_path, arguments, message):
+    paths = {name: str(path) for name, path in dumps.items()} | {"missing": str(tmp_path / "missing.h5")}
+    assert_one_line_error(compare(*(argument.format(**paths) for argument in arguments), "--no-html", cwd=tmp_path),
+                          message)
+
+
+def test_missing_plotly_is_said_in_one_line_before_comparing(dumps, tmp_path):
+    script = (
+        "import sys\n"
+        "sys.modules['plotly'] = None  # as if plotly were not installed\n"
+        "from pi0align.cli.main import main\n"
+        f"sys.exit(main(['compare', {str(dumps['gpu'])!r}, {str(dumps['fault'])!r}]))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 2
+    assert run.stderr.strip() == "pi0align compare: error: the HTML report needs plotly: pip install plotly, or pass --no-html"
+    assert run.stdout == ""  # said before comparing
+
+
+def test_compare_never_imports_torch(dumps, tmp_path):
+    script = (
+        "import sys\n"
+        "from pi0align.cli.main import main\n"
+        f"code = main(['compare', {str(dumps['gpu'])!r}, {str(dumps['fault'])!r}, '--json', 's.json', '--csv', 'r.csv'])\n"
+        "assert code == 1, code\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "reports" / "gpu-vs-npu.html").is_file()
+
+
+@pytest.mark.browser
+def test_html_report_of_a_real_fault_shows_the_culprit_and_sorts(dumps, tmp_path, browser):  # noqa: F811
+    html = tmp_path / "report.html"
+    assert main(["compare", str(dumps["gpu"]), str(dumps["fault"]), "--html", str(html)]) == 1
+    context = browser.new_context()
+    blocked = []
+    context.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:")
+                  else (blocked.append(route.request.url), route.abort()))
+    page = context.new_page()
+    page.goto(html.as_uri())
+    page.wait_for_selector("#chart-errors .main-svg")
+    assert FAULT_MODULE in page.inner_text("#culprits tbody tr:first-child")
+    page.locator("#rows-table th[data-column='introduced_error']").click()
+    page.locator("#rows-table th[data-column='introduced_error']").click()  # descending
+    assert column_texts(page, "name")[0] == FAULT.name
+    context.close()
+    assert blocked == []

@@ -1,0 +1,145 @@
+"""Readers: our HDF5 dumps and msprobe dump folders; bad input ends as one UserError line."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import h5py
+import pytest
+
+from dumpfactory import run_toy_model, write_dump, write_msprobe_dump
+from pi0align.compare import compare_dumps
+from pi0align.compare.open_dump import open_run
+from pi0align.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return write_dump(tmp_path_factory.mktemp("good") / "dump.h5", run_toy_model(steps=2), mode="sample")
+
+
+def test_our_dump_reads_every_record(good):
+    (dump,) = open_run(good).values()
+    steps = run_toy_model(steps=2)
+    assert len(dump.records) == sum(len(c.records) for s in steps for c in s.calls)
+    assert dump.mode == "sample" and list(dump.metrics["step"]) == [0, 1]
+    assert dump.records["stack"].str.startswith("toy_model.py:").all() or (dump.records["api"] == "Parameter").any()
+    values, positions = dump.sample_reader(0)
+    assert values.shape == positions.shape and values.shape[0] == int((dump.records["step"] == 0).sum())
+    dump.close()
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "no such file"),
+    ("text", "not a dump"),
+    ("format", "not a pi0align dump"),
+    ("version", "version 2 is newer"),
+    ("empty_folder", "no dump inside"),
+    ("corrupt", "corrupt pi0align dump"),
+])
+def test_bad_input_is_one_user_error_line(tmp_path, good, case, message):
+    path = tmp_path / "x.h5"
+    if case == "text":
+        path.write_text("hello")
+    elif case == "format":
+        with h5py.File(path, "w") as f:
+            f.attrs["format"] = "something-else"
+    elif case == "version":
+        write_dump(path, run_toy_model(), version=2)
+    elif case == "empty_folder":
+        path.mkdir()
+    elif case == "corrupt":
+        write_dump(path, run_toy_model())
+        with h5py.File(path, "r+") as f:
+            del f["steps/000000/calls/name"]
+    with pytest.raises(UserError, match=message) as error:
+        compare_dumps(path, good)
+    assert "\n" not in str(error.value)
+
+
+def _msprobe_folder(tmp_path, task="statistics", data=None):
+    folder = tmp_path / "ms" / "step0" / "rank0"
+    folder.mkdir(parents=True)
+    payload = {"task": task, "level": "mix", "framework": "pytorch", "dump_data_dir": None,
+               "data": data if data is not None else {}}
+    (folder / "dump.json").write_text(json.dumps(payload))
+    return tmp_path / "ms"
+
+
+def test_msprobe_unknown_task_and_broken_json_are_refused(tmp_path, good):
+    with pytest.raises(UserError, match="task 'overflow_check' is not supported"):
+        compare_dumps(_msprobe_folder(tmp_path / "a", task="overflow_check"), good)
+    folder = _msprobe_folder(tmp_path / "b")
+    (folder / "step0" / "rank0" / "dump.json").write_text("{not json")
+    with pytest.raises(UserError, match="cannot read msprobe JSON"):
+        compare_dumps(folder, good)
+
+
+def test_msprobe_names_and_roles_are_mapped(tmp_path):
+    tensor = lambda v: {"type": "torch.Tensor", "dtype": "torch.float32", "shape": [2], "Max": v, "Min": -v,
+                        "Mean": 0.0, "Norm": v, "requires_grad": True}
+    data = {
+        "Functional.linear.0.forward": {"input_args": [tensor(1.0), tensor(2.0)], "input_kwargs": {"bias": tensor(3.0)},
+                                        "output": [tensor(4.0)]},
+        "Module.layer.Linear.forward.0": {"input_args": [tensor(1.0)], "input_kwargs": {}, "output": [tensor(4.0)],
+                                          "parameters": {"weight": tensor(2.0)}},
+        "Functional.linear.0.backward": {"input": [tensor(5.0)], "output": [tensor(6.0), None]},
+        "Module.layer.Linear.parameters_grad.0": {"weight": [tensor(7.0)]},
+    }
+    folder = _msprobe_folder(tmp_path, data=data)
+    (folder / "step0" / "rank0" / "construct.json").write_text(json.dumps(
+        {"Functional.linear.0.forward": "Module.layer.Linear.forward.0", "Module.layer.Linear.forward.0": None}))
+    (dump,) = open_run(folder).values()
+    r = dump.records
+    linear = r[r["name"] == "layer/Functional.linear#0"]
+    assert list(zip(linear["direction"], linear["role"], linear["arg_index"])) == [
+        ("forward", "input", 0), ("forward", "input", 1), ("forward", "input", 2), ("forward", "output", 0),
+        ("backward", "grad_output", 0), ("backward", "grad_input", 0)]
+    weight = r[r["name"] == "layer.weight/Parameter#0"]
+    assert sorted(weight["role"]) == ["parameter", "parameter_grad"] and weight["call"].nunique() == 1
+    assert (r.loc[r["api"] == "Module.Linear", "module"] == "layer").all()
+
+
+msprobe = pytest.mark.skipif(importlib.util.find_spec("msprobe") is None, reason="mindstudio-probe not installed")
+
+
+@msprobe
+def test_real_msprobe_dumps_compare_and_find_the_fault(tmp_path):
+    a = write_msprobe_dump(tmp_path / "a", task="statistics")
+    b = write_msprobe_dump(tmp_path / "b", task="statistics", scale=1 + 1e-3)
+    same = compare_dumps(a, a)
+    assert same.verdict == "aligned" and same.coverage["only_a"] == 0 and same.coverage["matched"] > 20
+    result = compare_dumps(a, b)
+    assert result.verdict == "diverged"
+    assert result.first_divergence.api == "Tensor.__mul__" and result.culprits[0].api in ("Tensor.__mul__", "Module.Scale")
+
+
+@msprobe
+def test_msprobe_tensor_dump_against_our_dump_of_the_same_values(tmp_path):
+    """Either side may be msprobe's: a pi0align dump built from the msprobe dump's own tensors,
+    once faithfully and once with one call's output scaled, compares against the msprobe folder."""
+    import numpy as np
+
+    from dumpfactory import Call, Step
+
+    ms = write_msprobe_dump(tmp_path / "ms", task="tensor")
+    (dump,) = open_run(ms).values()
+    steps = []
+    for faulty in (False, True):
+        calls = []
+        for (call, name), group in dump.records.groupby(["call", "name"], sort=True):
+            records = []
+            for row in group.itertuples():
+                value = np.asarray(dump.tensor_reader(row.step, row.tensor), np.float32)
+                if faulty and row.api == "Tensor.__mul__" and row.role == "output" and row.direction == "forward":
+                    value = value * np.float32(1 + 1e-3)
+                records.append((row.role, row.arg_index, value))
+            calls.append(Call(name, group["module"].iloc[0], group["api"].iloc[0], group["direction"].iloc[0], records))
+        steps.append([Step(0, calls, 0.0, 0.0, 0.01)])
+    dump.close()
+    ours = write_dump(tmp_path / "ours.h5", steps[0], mode="tensor")
+    faulty = write_dump(tmp_path / "faulty.h5", steps[1], mode="tensor")
+    assert compare_dumps(ms, ours).verdict == "aligned"
+    result = compare_dumps(ms, faulty)
+    assert result.verdict == "diverged" and result.first_divergence.api == "Tensor.__mul__"
