@@ -43,14 +43,17 @@ OURS_RSS = OURS + "; import resource; print('maxrss_kb', resource.getrusage(reso
 
 
 def timed(command: list[str], timeout: int = TIMEOUT) -> tuple[float, str]:
+    """Wall time and what the process said: its stdout, or its last error line when it failed."""
     start = time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return float("inf"), f"timeout after {timeout} s"
     elapsed = time.perf_counter() - start
-    status = "ok" if done.returncode in (0, 1) else f"exit {done.returncode}: {done.stderr.strip()[-200:]}"
-    return elapsed, status if status != "ok" else done.stdout.strip()
+    if done.returncode in (0, 1) and "Traceback" not in done.stderr:
+        return elapsed, done.stdout.strip()
+    errors = [l for l in (done.stdout + done.stderr).splitlines() if "[ERROR]" in l or "Error" in l]
+    return elapsed, f"failed (exit {done.returncode}): {(errors or ['?'])[-1].strip()[-120:]}"
 
 
 def ours(a: Path, b: Path) -> tuple[float, str]:
@@ -69,7 +72,22 @@ def msprobe(a_step: Path, b_step: Path, out: Path, fuzzy: bool = False) -> tuple
     command = [MSPROBE, "compare", "--target_path", str(b_step), "--golden_path", str(a_step),
                "--output_path", str(out)] + (["-fm"] if fuzzy else [])
     elapsed, status = timed(command)
-    return elapsed, status if not status.startswith(("exit", "timeout")) else status
+    if status.startswith(("failed", "timeout")):
+        return elapsed, status
+    return elapsed, msprobe_summary(out)
+
+
+def msprobe_summary(out: Path) -> str:
+    """Rows and share of rows msprobe passed, from the CSV it wrote."""
+    import csv
+
+    files = sorted(out.glob("compare_result*.csv"))
+    if not files:
+        return "no result file"
+    with open(files[-1], newline="", encoding="utf-8") as handle:
+        results = [row.get("Result", "") for row in csv.DictReader(handle)]
+    passed = sum(r.lower() == "pass" for r in results)
+    return f"{len(results)} rows, {passed / max(len(results), 1):.1%} pass"
 
 
 def line(case: str, ours_s: float, theirs_s: float, extra: str = "") -> None:
@@ -180,14 +198,16 @@ def main() -> None:
                 ours_s, verdict = ours(a, b)
                 theirs_s, status = msprobe(a / "step0", b / "step0", work / f"out{n}")
                 line(f"statistics, synthetic {n} calls", ours_s, theirs_s,
-                     f"(in-process ours {ours_in_process(a, b):.2f} s; ours: {verdict[:60]}; msprobe: {status[:60]})")
+                     f"(in-process ours {ours_in_process(a, b):.2f} s; ours: {verdict[:90]}; msprobe: {status})")
             n = max(sizes)
             a = write_synthetic_msprobe(work / f"seq{n}_a", n, seed=1)
             b = write_synthetic_msprobe(work / f"seq{n}_b", n, seed=2, extra_every=100)
             ours_s, verdict = ours(a, b)
             theirs_s, status = msprobe(a / "step0", b / "step0", work / "out_fm", fuzzy=True)
             line(f"alignment, {n} calls, B +1% extra casts (-fm)", ours_s, theirs_s,
-                 f"(in-process ours {ours_in_process(a, b):.2f} s; ours: {verdict[:80]}; msprobe: {status[:60]})")
+                 f"(in-process ours {ours_in_process(a, b):.2f} s; ours: {verdict[:90]}; msprobe: {status})")
+            theirs_s, status = msprobe(a / "step0", b / "step0", work / "out_plain")
+            line(f"alignment, {n} calls, B +1% extra casts (default)", ours_s, theirs_s, f"(msprobe: {status})")
         else:
             print("msprobe not installed (.venv/bin/pip install mindstudio-probe): msprobe cases skipped")
         tensor_throughput(work, 0.25 if args.quick else args.tensor_gb)
@@ -205,7 +225,7 @@ def real_msprobe_dumps(work: Path) -> None:
         ours_s, verdict = ours(a, b)
         theirs_s, status = msprobe(step_a, step_b, work / f"out_real_{task}")
         line(f"{task}, msprobe dumps of a 24-layer MLP", ours_s, theirs_s,
-             f"(in-process ours {ours_in_process(a, b):.2f} s; ours: {verdict[:50]}; msprobe: {status[:40]})")
+             f"(in-process ours {ours_in_process(a, b):.2f} s; ours: {verdict[:90]}; msprobe: {status})")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Small preset, CPU, one thread. Plain and dumped steps alternate in one process, each dumped step
 timed against the plain step just before it (a CPU step drifts over a long run; fixed `MALLOC_*`
 thresholds, set by re-executing this script, steady glibc's allocator). Variants: our Dumper idle
-(started, step not selected), stats, sample and tensor mode at level mix; msprobe's
+(started, step not selected), stats, sample and tensor mode at level mix, and stats at level api
+(msprobe's L1 records API calls only); msprobe's
 PrecisionDebugger (when installed) at L1 and mix, statistics and tensor, each in its own process
 because it is a process-wide singleton. Also bytes written per dumped step.
 
@@ -25,7 +26,9 @@ from pathlib import Path
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 31),
               "MALLOC_TOP_PAD_": str(1 << 28), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-OURS = {"idle": None, "stats": "stats", "sample": "sample", "tensor": "tensor"}
+# variant -> (mode, level); idle: started, but the step is not one to dump
+OURS = {"idle": None, "stats": ("stats", "mix"), "stats (api level)": ("stats", "api"),
+        "sample": ("sample", "mix"), "tensor": ("tensor", "mix"), "tensor, uncompressed": ("tensor", "mix")}
 MSPROBE = {"msprobe L1 statistics": ("statistics", "L1"), "msprobe mix statistics": ("statistics", "mix"),
            "msprobe L1 tensor": ("tensor", "L1")}
 
@@ -79,8 +82,10 @@ def bench_ours(args, work: Path) -> list[tuple[str, float, float, int]]:
         train_step(policy, batch, optimizer, scheduler, clip)
 
     dumpers, variants, counts = {}, {}, {}
-    for name, mode in OURS.items():
-        dumper = Dumper(work / name, steps=[] if mode is None else None, level="mix", mode=mode or "stats")
+    for name, how in OURS.items():
+        mode, level = how or ("stats", "mix")
+        dumper = Dumper(work / name.replace(" ", "_"), steps=[] if how is None else None, level=level, mode=mode,
+                        compress="uncompressed" not in name)
         dumper.start(policy)
         dumper.stop()
         dumpers[name], counts[name] = dumper, 0
@@ -98,7 +103,8 @@ def bench_ours(args, work: Path) -> list[tuple[str, float, float, int]]:
         dumper.__exit__(None, None, None)
     plain_time = _plain_time(step)
     return [(name, statistics.median(r), plain_time,
-             folder_bytes(work / name) // counts[name] if OURS[name] else 0) for name, r in ratios.items()]
+             folder_bytes(work / name.replace(" ", "_")) // counts[name] if OURS[name] else 0)
+            for name, r in ratios.items()]
 
 
 def bench_msprobe(args, work: Path, name: str) -> list[tuple[str, float, float, int]]:

@@ -34,11 +34,14 @@ def test_same_run_twice_is_aligned(tmp_path, mode):
     assert set(result.rows["evidence"]) == {mode}
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("fault", [Fault(FAULTY), Fault(FAULTY, scale=1.0, noise=3e-3)], ids=["scaled", "noised"])
+# zero-mean noise keeps the statistics: stats mode is given the scaled fault only
+FAULT_CASES = [(mode, Fault(FAULTY)) for mode in MODES] + [(mode, Fault(FAULTY, scale=1.0, noise=3e-3))
+                                                          for mode in ("sample", "tensor")]
+
+
+@pytest.mark.parametrize("mode, fault", FAULT_CASES, ids=[f"{m}-{'noised' if f.noise else 'scaled'}"
+                                                          for m, f in FAULT_CASES])
 def test_injected_fault_is_first_divergence_and_top_culprit(tmp_path, mode, fault):
-    if mode == "stats" and fault.noise:
-        pytest.skip("zero-mean noise keeps the statistics: stats mode is given scaled faults only")
     result = compare_dumps(make(tmp_path, "a", mode), make(tmp_path, "b", mode, noise_seed=2, fault=fault))
     assert result.verdict == "diverged"
     assert result.first_divergence.name == FAULTY and result.first_divergence.direction == "forward"

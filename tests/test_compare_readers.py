@@ -105,6 +105,7 @@ msprobe = pytest.mark.skipif(importlib.util.find_spec("msprobe") is None, reason
 
 
 @msprobe
+@pytest.mark.slow  # two msprobe runs, each importing torch and msprobe in a child process
 def test_real_msprobe_dumps_compare_and_find_the_fault(tmp_path):
     a = write_msprobe_dump(tmp_path / "a", task="statistics")
     b = write_msprobe_dump(tmp_path / "b", task="statistics", scale=1 + 1e-3)

@@ -3,7 +3,8 @@
 Calls are grouped by (step, direction, module). Where both sides have the same call names in the
 same order, calls pair by name. Elsewhere the module's two call sequences are aligned on tokens
 (API, and role/shape/dtype of every tensor): runs of equal tokens are collapsed, the common
-prefix and suffix of runs are paired directly, the rest is diffed (difflib, Ratcliff/Obershelp),
+prefix and suffix of runs are paired directly, the rest is diffed (Myers' O(ND) shortest edit
+script, difflib when the module differs in thousands of calls),
 and runs of different lengths are matched element by element to the closest tensor norms. Because
 names count calls per module, a difference in one module never disturbs another, and the work
 is linear in the number of calls plus the (small) differing middles.
@@ -20,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 _MAX_RUN_DP = 1_000_000  # cells; larger runs pair in order instead of by closeness
+_MAX_EDITS = 2000  # beyond this many insertions + deletions in one module, difflib takes over
 
 
 def pair_records(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
@@ -56,12 +58,18 @@ def pair_records(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
 def _calls(records: pd.DataFrame) -> pd.DataFrame:
     """One row per call: step, call, seq, name, module, api, direction, token, norms (tie-break)."""
     ordered = records.sort_values(["step", "call", "role", "arg_index"], kind="stable")
-    signature = ordered["role"] + ":" + ordered["shape"] + ":" + ordered["dtype"]
-    grouped = ordered.assign(signature=signature).groupby(["step", "call"], sort=False)
-    calls = grouped.agg(seq=("seq", "first"), name=("name", "first"), module=("module", "first"),
-                        api=("api", "first"), direction=("direction", "first"),
-                        signature=("signature", "|".join), norms=("norm", tuple)).reset_index()
-    calls["token"] = calls["api"] + "|" + calls["signature"]
+    step, call = ordered["step"].to_numpy(), ordered["call"].to_numpy()
+    starts = np.flatnonzero(np.r_[True, (step[1:] != step[:-1]) | (call[1:] != call[:-1])]) if len(step) else \
+        np.array([], np.int64)
+    parts = (ordered["role"] + ":" + ordered["shape"] + ":" + ordered["dtype"] + "|").to_numpy(object)
+    first = ordered.iloc[starts]
+    calls = pd.DataFrame({c: first[c].to_numpy() for c in ("step", "call", "seq", "name", "module", "api",
+                                                             "direction")})
+    signature = np.add.reduceat(parts, starts) if len(starts) else np.array([], object)
+    calls["token"] = calls["api"].to_numpy(object) + "|" + signature
+    norms = np.empty(len(starts), object)
+    norms[:] = np.split(ordered["norm"].to_numpy(np.float64), starts[1:]) if len(starts) else []
+    calls["norms"] = norms
     return calls.sort_values(["step", "seq"], kind="stable").reset_index(drop=True)
 
 
@@ -102,20 +110,27 @@ def align_sequences(tokens_a: Sequence[int], tokens_b: Sequence[int], apis_a: Se
     """Order-preserving pairs (i, j) of positions with equal tokens, plus, inside differing
     stretches, equal APIs (calls whose shape or dtype changed); closest norms break ties."""
     runs_a, runs_b = _runs(tokens_a), _runs(tokens_b)
-    run_pairs = _diff(runs_a[0], runs_b[0])
     pairs: list[tuple[int, int]] = []
-    last_a = last_b = 0  # end of the previous matched run, to pair API-equal calls in between
-    for ra, rb in run_pairs:
+    for ra, rb in _diff(runs_a[0], runs_b[0]):
         start_a, count_a = runs_a[1][ra], runs_a[2][ra]
         start_b, count_b = runs_b[1][rb], runs_b[2][rb]
-        pairs += _pair_by_api(apis_a, apis_b, last_a, start_a, last_b, start_b)
-        pairs += [(start_a + i, start_b + j) for i, j in _match_run(count_a, count_b, norms_a[start_a:start_a + count_a]
-                                                                     if len(norms_a) else (),
-                                                                     norms_b[start_b:start_b + count_b]
-                                                                     if len(norms_b) else ())]
-        last_a, last_b = start_a + count_a, start_b + count_b
-    pairs += _pair_by_api(apis_a, apis_b, last_a, len(tokens_a), last_b, len(tokens_b))
-    return pairs
+        pairs += [(start_a + i, start_b + j) for i, j in _match_run(
+            count_a, count_b, norms_a[start_a:start_a + count_a] if len(norms_a) else (),
+            norms_b[start_b:start_b + count_b] if len(norms_b) else ())]
+    pairs = _fill_gaps(pairs, tokens_a, tokens_b)  # calls left over when runs had different lengths
+    return _fill_gaps(pairs, apis_a, apis_b) if len(apis_a) else pairs
+
+
+def _fill_gaps(pairs: list[tuple[int, int]], keys_a: Sequence, keys_b: Sequence) -> list[tuple[int, int]]:
+    """Add pairs of equal keys among the unpaired positions between consecutive pairs."""
+    result: list[tuple[int, int]] = []
+    next_a = next_b = 0
+    for i, j in pairs + [(len(keys_a), len(keys_b))]:
+        if i > next_a and j > next_b:
+            result += [(next_a + x, next_b + y) for x, y in _diff(list(keys_a[next_a:i]), list(keys_b[next_b:j]))]
+        result.append((i, j))
+        next_a, next_b = i + 1, j + 1
+    return result[:-1]
 
 
 def _runs(tokens: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
@@ -138,19 +153,50 @@ def _diff(a: list[int], b: list[int]) -> list[tuple[int, int]]:
     while suffix < min(n, m) - prefix and a[n - 1 - suffix] == b[m - 1 - suffix]:
         suffix += 1
     pairs = [(i, i) for i in range(prefix)]
-    matcher = difflib.SequenceMatcher(None, a[prefix:n - suffix], b[prefix:m - suffix], autojunk=False)
-    for block in matcher.get_matching_blocks():
-        pairs += [(prefix + block.a + k, prefix + block.b + k) for k in range(block.size)]
+    middle_a, middle_b = a[prefix:n - suffix], b[prefix:m - suffix]
+    middle = _myers(middle_a, middle_b, _MAX_EDITS)
+    if middle is None:  # very different sequences: difflib, slower in theory but bounded in practice
+        matcher = difflib.SequenceMatcher(None, middle_a, middle_b, autojunk=False)
+        middle = [(block.a + k, block.b + k) for block in matcher.get_matching_blocks() for k in range(block.size)]
+    pairs += [(prefix + i, prefix + j) for i, j in middle]
     pairs += [(n - suffix + k, m - suffix + k) for k in range(suffix)]
     return pairs
 
 
-def _pair_by_api(apis_a, apis_b, a0: int, a1: int, b0: int, b1: int) -> list[tuple[int, int]]:
-    """Inside an unmatched stretch, pair calls of the same API in order (shape/dtype changed)."""
-    if a1 <= a0 or b1 <= b0 or not len(apis_a):
-        return []
-    sub_a, sub_b = list(apis_a[a0:a1]), list(apis_b[b0:b1])
-    return [(a0 + i, b0 + j) for i, j in _diff(sub_a, sub_b)]
+def _myers(a: list, b: list, max_edits: int) -> list[tuple[int, int]] | None:
+    """Matched positions of a shortest edit script (Myers 1986, O((N+M)·D) for D edits), or None
+    when more than max_edits insertions and deletions are needed."""
+    n, m = len(a), len(b)
+    limit = min(max_edits, n + m)
+    v = [0] * (2 * limit + 2)  # v[k]: furthest x on diagonal k (negative k wraps around)
+    trace = []
+    for d in range(limit + 1):
+        trace.append(v[:])
+        for k in range(-d, d + 1, 2):
+            x = v[k + 1] if k == -d or (k != d and v[k - 1] < v[k + 1]) else v[k - 1] + 1
+            y = x - k
+            while x < n and y < m and a[x] == b[y]:
+                x, y = x + 1, y + 1
+            v[k] = x
+            if x >= n and y >= m:
+                return _backtrack(trace, n, m)
+    return None
+
+
+def _backtrack(trace: list[list[int]], x: int, y: int) -> list[tuple[int, int]]:
+    pairs = []
+    for d in range(len(trace) - 1, -1, -1):
+        v, k = trace[d], x - y
+        prev_k = k + 1 if k == -d or (k != d and v[k - 1] < v[k + 1]) else k - 1
+        prev_x = v[prev_k]
+        prev_y = prev_x - prev_k
+        while x > prev_x and y > prev_y:
+            x, y = x - 1, y - 1
+            pairs.append((x, y))
+        if d > 0:
+            x, y = prev_x, prev_y
+    pairs.reverse()
+    return pairs
 
 
 def _match_run(count_a: int, count_b: int, norms_a: Sequence, norms_b: Sequence) -> list[tuple[int, int]]:

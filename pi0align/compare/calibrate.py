@@ -3,26 +3,29 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 
 from pi0align.compare.engine import compare_dumps
-from pi0align.compare.thresholds import JUDGED_ERRORS, UNIT_ROUNDOFF, load_thresholds, looser
+from pi0align.compare.thresholds import JUDGED_ERRORS, UNIT_ROUNDOFF, load_thresholds, looser_classes
 from pi0align.compare.verdict import JUDGED_PAIRINGS
+from pi0align.errors import UserError
 
 
 def calibrate(path_a1: str | Path, path_a2: str | Path, *, margin: float = 10.0,
-              steps: Iterable[int] | None = None) -> dict[str, dict[str, float]]:
+              steps: Iterable[int] | None = None, base: dict | None = None) -> dict[str, dict[str, float]]:
     """Thresholds per dtype = margin x the largest error seen between two same-device runs,
-    never below 16 unit roundoffs of the dtype. Dtypes absent from the runs keep their defaults."""
-    if margin < 1:
-        raise ValueError("margin must be at least 1")
-    rows = compare_dumps(path_a1, path_a2, steps=steps).rows
+    never below 16 unit roundoffs of the dtype. Dtypes absent from the runs keep those of `base`
+    (as from load_thresholds(file, overrides); the defaults when None), as do warn fractions."""
+    if not margin >= 1:
+        raise UserError(f"calibration margin must be at least 1, got {margin}")
+    rows = compare_dumps(path_a1, path_a2, steps=steps, thresholds=base).rows
     rows = rows[rows["pairing"].isin(JUDGED_PAIRINGS)]
-    classes = np.array([looser(x, y) for x, y in zip(rows["dtype_a"], rows["dtype_b"])], dtype=object)
-    thresholds = load_thresholds()
+    classes = looser_classes(rows["dtype_a"], rows["dtype_b"])
+    thresholds = copy.deepcopy(base) if base is not None else load_thresholds()
     for cls in set(classes):
         seen = rows[classes == cls]
         floor = 16 * UNIT_ROUNDOFF[cls] if cls != "integer" else 0.0

@@ -98,12 +98,12 @@ def _compare_rank(a: Dump, b: Dump, tracker: _Tracker) -> tuple[pd.DataFrame, li
     for metric in TENSOR_METRICS + STATS_METRICS:
         rows[metric] = np.nan
     comparable = rows["pairing"].isin(JUDGED_PAIRINGS).to_numpy()
-    notes = _fill_stats(rows, side_a, side_b, comparable)
+    _fill_stats(rows, side_a, side_b, comparable)
+    notes = []
     if a.mode == b.mode == "sample" and a.sample_reader and b.sample_reader:
         notes += _fill_samples(rows, side_a, side_b, comparable, a, b)
-    if a.mode == b.mode == "tensor":
-        _fill_tensors(rows, side_a, side_b, comparable, a, b, tracker)
-    tracker.advance(len(set(ra["step"]) | set(rb["step"])))
+    streamed = _fill_tensors(rows, side_a, side_b, comparable, a, b, tracker) if a.mode == b.mode == "tensor" else 0
+    tracker.advance(_work(a, b) - streamed)  # the steps, and tensors that had no partner
     return rows, notes, _stack_lookup(a, ra)
 
 
@@ -116,7 +116,7 @@ def _text(values: pd.Series) -> np.ndarray:
     return np.where(values.isna(), "", values.astype(object))
 
 
-def _fill_stats(rows: pd.DataFrame, sa: pd.DataFrame, sb: pd.DataFrame, mask: np.ndarray) -> list[str]:
+def _fill_stats(rows: pd.DataFrame, sa: pd.DataFrame, sb: pd.DataFrame, mask: np.ndarray) -> None:
     keys = ("min", "max", "mean", "norm", "numel")
     errors = stats_metrics({k: sa[k].to_numpy(np.float64) for k in keys}, {k: sb[k].to_numpy(np.float64) for k in keys})
     for metric, values in errors.items():
@@ -126,7 +126,6 @@ def _fill_stats(rows: pd.DataFrame, sa: pd.DataFrame, sb: pd.DataFrame, mask: np
                     + np.abs(sa["inf_count"].to_numpy(np.float64) - sb["inf_count"].to_numpy(np.float64)))
     rows.loc[mask, "nan_inf_mismatch"] = mismatch[mask]
     rows.loc[mask, "evidence"] = "stats"
-    return []
 
 
 def _fill_samples(rows, sa, sb, mask, a: Dump, b: Dump) -> list[str]:
@@ -152,7 +151,8 @@ def _fill_samples(rows, sa, sb, mask, a: Dump, b: Dump) -> list[str]:
     return notes
 
 
-def _fill_tensors(rows, sa, sb, mask, a: Dump, b: Dump, tracker: _Tracker) -> None:
+def _fill_tensors(rows, sa, sb, mask, a: Dump, b: Dump, tracker: _Tracker) -> int:
+    """Stream every tensor pair; returns how many."""
     paths_a, paths_b = _text(sa["tensor"]), _text(sb["tensor"])
     use = np.flatnonzero(mask & (paths_a != "") & (paths_b != ""))
     steps = rows["step"].to_numpy()
@@ -164,6 +164,7 @@ def _fill_tensors(rows, sa, sb, mask, a: Dump, b: Dump, tracker: _Tracker) -> No
     for metric in TENSOR_METRICS:
         rows.loc[use, metric] = [r[metric] for r in results]
     rows.loc[use, "evidence"] = "tensor"
+    return len(use)
 
 
 def _stack_lookup(dump: Dump, records: pd.DataFrame) -> dict[tuple[int, int], list[str]]:
@@ -193,7 +194,10 @@ def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str) -
     diff = manifest_diff(first_a.manifest, first_b.manifest)
     notes += manifest_notes(diff) + _parameter_notes(rows) + _coverage_notes(rows)
     failed = bool((rows["verdict"] == "fail").any())
-    weights_differ = any("initial weights differ" in n or "initial parameters differ" in n for n in notes)
+    # different initial weights make every later agreement accidental: never "aligned"
+    first_step = rows["step"].min() if len(rows) else 0
+    weights_differ = any(key == "weights_sha256" and None not in (va, vb) for key, va, vb in diff) or bool(
+        ((rows["role"] == "parameter") & (rows["verdict"] == "fail") & (rows["step"] == first_step)).any())
     coverage = {"matched": int(rows["pairing"].isin(["matched", "realigned", "shape_mismatch", "dtype_mismatch"]).sum()),
                 "only_a": int((rows["pairing"] == "only_a").sum()), "only_b": int((rows["pairing"] == "only_b").sum())}
     coverage.update({label: int((rows["pairing"] == label).sum())

@@ -7,6 +7,8 @@ Every input has a defined answer, without warnings: see docs/compare.md for the 
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -16,7 +18,8 @@ from pi0align.compare.records import iter_flat_chunks
 TENSOR_METRICS = ["cosine", "max_abs_err", "max_rel_err", "mean_rel_err", "rel_l2_err", "rmse",
                   "within_1e-3", "within_5e-3", "nan_inf_mismatch"]
 STATS_METRICS = ["min_rel_err", "max_val_rel_err", "mean_val_rel_err", "norm_rel_err"]
-CHUNK_ELEMENTS = 1 << 22  # 32 MiB of float64 per side per chunk: bounds memory for any tensor size
+WORKERS = min(4, os.cpu_count() or 1)
+CHUNK_ELEMENTS = 1 << 20  # 8 MiB of float64 per side per chunk: bounds memory, stays cache-friendly
 
 
 def relative(diff: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -27,33 +30,28 @@ def relative(diff: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 class ErrorAccumulator:
-    """Running sums of the error between a and b, per row; add chunks, then read result()."""
+    """Running sums of the error between a and b, per row; add chunks, merge, then read result()."""
 
     def __init__(self, rows: int = 1):
         self._sums = {k: np.zeros(rows) for k in ("ab", "aa", "bb", "dd", "rel", "w1", "w5", "n", "mismatch")}
         self._max_abs, self._max_rel = np.zeros(rows), np.zeros(rows)
+        self._scratch: dict = {}
 
     def add(self, a: np.ndarray, b: np.ndarray) -> None:
         """a, b: float64 arrays of shape (rows, k), same positions."""
-        s = self._sums
-        with np.errstate(invalid="ignore", over="ignore"):
-            nan_a, nan_b = np.isnan(a), np.isnan(b)
-            both = np.isfinite(a) & np.isfinite(b)
-            # Same NaN pattern and same infinities count as agreement; anything else is a mismatch.
-            s["mismatch"] += ((nan_a != nan_b) | (~both & ~nan_a & ~nan_b & (a != b))).sum(-1)
-            a0, b0 = np.where(both, a, 0.0), np.where(both, b, 0.0)
-            d = np.abs(b0 - a0)
-            rel = relative(d, np.abs(a0))
-            s["n"] += both.sum(-1)
-            s["ab"] += (a0 * b0).sum(-1)
-            s["aa"] += (a0 * a0).sum(-1)
-            s["bb"] += (b0 * b0).sum(-1)
-            s["dd"] += (d * d).sum(-1)
-            s["rel"] += rel.sum(-1)
-            s["w1"] += ((rel <= 1e-3) & both).sum(-1)
-            s["w5"] += ((rel <= 5e-3) & both).sum(-1)
-            self._max_abs = np.maximum(self._max_abs, d.max(-1, initial=0.0))
-            self._max_rel = np.maximum(self._max_rel, rel.max(-1, initial=0.0))
+        part = _partial_sums(a, b, self._scratch)
+        if not np.isfinite(part["aa"] + part["bb"]).all():  # rare: a NaN or Inf somewhere, mask it out
+            part = _partial_sums(a, b, self._scratch, mask_nonfinite=True)
+        self._add(part)
+
+    def merge(self, other: "ErrorAccumulator") -> None:
+        self._add({**other._sums, "max_abs": other._max_abs, "max_rel": other._max_rel})
+
+    def _add(self, part: dict[str, np.ndarray]) -> None:
+        for key in self._sums:
+            self._sums[key] += part.get(key, 0.0)
+        self._max_abs = np.maximum(self._max_abs, part["max_abs"])
+        self._max_rel = np.maximum(self._max_rel, part["max_rel"])
 
     def result(self) -> dict[str, np.ndarray]:
         s = self._sums
@@ -79,12 +77,84 @@ class ErrorAccumulator:
         return out
 
 
-def tensor_metrics(a: Any, b: Any, chunk_elements: int = CHUNK_ELEMENTS) -> dict[str, float]:
-    """Metrics of two same-shape array-likes (h5py datasets, memmaps), read chunk by chunk."""
-    acc = ErrorAccumulator(1)
-    for chunk_a, chunk_b in iter_flat_chunks(a, b, chunk_elements):
-        acc.add(chunk_a[None, :], chunk_b[None, :])
-    return {k: float(v[0]) for k, v in acc.result().items()}
+def _dot(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    # BLAS for long rows; einsum for short ones, where waking BLAS threads costs more than the work
+    if len(x) == 1 and x.shape[1] >= 1 << 16:
+        return np.array([np.dot(x[0], y[0])])
+    return np.einsum("ij,ij->i", x, y)
+
+
+def _partial_sums(a: np.ndarray, b: np.ndarray, scratch: dict, mask_nonfinite: bool = False) -> dict[str, np.ndarray]:
+    """Per-row sums and maxima of one chunk. Memory passes bound throughput, and fresh large
+    arrays cost page faults, so temporaries live in `scratch` and are reused chunk after chunk."""
+    part = {}
+    masked = 0
+    if mask_nonfinite:
+        nan_a, nan_b = np.isnan(a), np.isnan(b)
+        both = np.isfinite(a) & np.isfinite(b)
+        # Same NaN pattern and same infinities count as agreement; anything else is a mismatch.
+        with np.errstate(invalid="ignore"):
+            part["mismatch"] = ((nan_a != nan_b) | (~both & ~nan_a & ~nan_b & (a != b))).sum(-1)
+        a, b = np.where(both, a, 0.0), np.where(both, b, 0.0)
+        masked = (~both).sum(-1)  # masked positions count neither as elements nor as "within"
+    if scratch.get("shape") != a.shape:
+        scratch.update(shape=a.shape, d=np.empty(a.shape), rel=np.empty(a.shape), flag=np.empty(a.shape, bool))
+    d, rel, flag = scratch["d"], scratch["rel"], scratch["flag"]
+    with np.errstate(invalid="ignore", over="ignore"):
+        np.subtract(b, a, out=d)
+        part.update(n=a.shape[-1] - masked, ab=_dot(a, b), aa=_dot(a, a), bb=_dot(b, b), dd=_dot(d, d))
+        np.abs(d, out=d)
+        part["max_abs"] = d.max(-1, initial=0.0)
+        np.abs(a, out=rel)
+        with np.errstate(divide="ignore"):
+            np.divide(d, rel, out=rel)  # x/0 = inf: a difference where B is exactly zero
+        np.isnan(rel, out=flag)  # 0/0 (and masked positions): no difference
+        if flag.any():
+            rel[flag] = 0.0
+        part["max_rel"] = rel.max(-1, initial=0.0)
+        part["rel"] = rel.sum(-1)
+        part["w1"] = np.count_nonzero(np.less_equal(rel, 1e-3, out=flag), axis=-1) - masked
+        part["w5"] = np.count_nonzero(np.less_equal(rel, 5e-3, out=flag), axis=-1) - masked
+    return part
+
+
+def tensor_metrics(a: Any, b: Any, chunk_elements: int = CHUNK_ELEMENTS, workers: int = WORKERS) -> dict[str, float]:
+    """Metrics of two same-shape array-likes (h5py datasets, memmaps), read chunk by chunk.
+    Large tensors are split in `workers` row ranges read and reduced in parallel threads: the
+    file reads serialize (h5py's lock) but the arithmetic, which releases the GIL, overlaps."""
+    rows = a.shape[0] if len(a.shape) else 1
+    per_row = max(1, int(np.prod(a.shape[1:], dtype=np.int64))) if len(a.shape) else 1
+    parts = min(workers, max(1, rows * per_row // (4 * chunk_elements)), rows)
+
+    def reduce(lo: int, hi: int) -> ErrorAccumulator:
+        acc = ErrorAccumulator(1)
+        view_a, view_b = (_RowRange(x, lo, hi) for x in (a, b)) if len(a.shape) else (a, b)
+        for chunk_a, chunk_b in iter_flat_chunks(view_a, view_b, chunk_elements):
+            acc.add(chunk_a[None, :], chunk_b[None, :])
+        return acc
+
+    bounds = np.linspace(0, rows, parts + 1).astype(int)
+    if parts == 1:
+        accumulators = [reduce(0, rows)]
+    else:
+        with ThreadPoolExecutor(parts) as pool:
+            accumulators = list(pool.map(reduce, bounds[:-1], bounds[1:]))
+    total = accumulators[0]
+    for other in accumulators[1:]:
+        total.merge(other)
+    return {k: float(v[0]) for k, v in total.result().items()}
+
+
+class _RowRange:
+    """Rows lo:hi of an array-like, sliceable along its first axis without reading it."""
+
+    def __init__(self, array: Any, lo: int, hi: int):
+        self.array, self.lo = array, lo
+        self.shape = (hi - lo, *array.shape[1:])
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        start, stop, _ = index.indices(self.shape[0])
+        return self.array[self.lo + start:self.lo + stop]
 
 
 def sample_metrics(values_a: np.ndarray, values_b: np.ndarray) -> dict[str, np.ndarray]:

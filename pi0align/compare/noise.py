@@ -17,15 +17,15 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from pi0align.compare.thresholds import looser
+from pi0align.compare.thresholds import looser_classes
 
 _GRADIENT_ROLES = ("grad_input", "grad_output")
 
 
 def noise_driven(rows: pd.DataFrame, thresholds: dict) -> tuple[np.ndarray, list[str]]:
     """Mask of failing rows that only follow rounding noise, and a note about them."""
-    limit = np.array([thresholds[looser(x, y)]["rel_l2_err"] if x and y else 0.0
-                      for x, y in zip(rows["dtype_a"], rows["dtype_b"])])
+    limit = np.array([thresholds[c]["rel_l2_err"] if c else 0.0
+                      for c in looser_classes(rows["dtype_a"], rows["dtype_b"]).tolist()])
     backward = rows["direction"].eq("backward") & rows["role"].isin(_GRADIENT_ROLES)
     parameter_grad = rows["role"].eq("parameter_grad")
     reference = np.zeros(len(rows))
@@ -49,9 +49,8 @@ def noise_driven(rows: pd.DataFrame, thresholds: dict) -> tuple[np.ndarray, list
     driven |= params
     checksums = rows["checksum_a"].to_numpy(np.int64)
     same_tensor = set(zip(rows["rank"].to_numpy()[params], rows["step"].to_numpy()[params], checksums[params]))
-    same_tensor.discard(None)
     if same_tensor:
-        uses = np.array([(r, s, c) in same_tensor and c >= 0 for r, s, c in
+        uses = np.array([c != -1 and (r, s, c) in same_tensor for r, s, c in
                          zip(rows["rank"].to_numpy(), rows["step"].to_numpy(), checksums)])
         driven |= uses & failing
     if not driven.any():

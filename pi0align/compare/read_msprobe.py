@@ -10,6 +10,7 @@ formats align the same way and an msprobe dump compares against one of ours.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -91,7 +92,7 @@ def _read_rank(root: Path, rank: int, folders: list[tuple[int, Path]]) -> Dump:
     records = pd.DataFrame(rows, columns=RECORD_COLUMNS)
     mode = "tensor" if modes == {"tensor"} else "stats"
 
-    return Dump(source=str(root), kind="msprobe", mode=mode, rank=rank, records=records,
+    return Dump(source=str(root), mode=mode, rank=rank, records=records,
                 metrics=pd.DataFrame(columns=["step", "loss", "grad_norm", "lr"]),
                 manifest={}, stacks=stacks, tensor_reader=lambda step, tensor: _load_tensor(Path(tensor)))
 
@@ -171,15 +172,20 @@ def _records(data: dict, construct: dict, frames: dict, step: int, rank: int, te
         parameter_call = parameter_calls.setdefault(name, _PARAMETER_CALLS + len(parameter_calls))
         add(name, own_path, "Parameter", "parameter", role, 0, entry, stack_key, parameter_call)
 
+    sites: dict[str, str] = {}
+
     def add(name, module, api, direction, role, arg_index, entry, stack_key, call_id=None):
         call_id = call if call_id is None else call_id
         shape = [int(s) for s in entry.get("shape") or []]
         data_name = entry.get("data_name")
+        if stack_key not in sites:
+            sites[stack_key] = call_site(frames.get(stack_key, []))
         rows.append([rank, step, call_id, call_id, name, module, api, direction, role, arg_index,
-                     str(entry.get("dtype", "")).removeprefix("torch."), json.dumps(shape),
-                     int(np.prod(shape, dtype=np.int64)), _number(entry.get("Min")), _number(entry.get("Max")),
-                     _number(entry.get("Mean")), _number(entry.get("Norm")), np.nan, np.nan,
-                     call_site(frames.get(stack_key, [])), str(tensor_dir / data_name) if data_name else "", -1, 0, -1])
+                     str(entry.get("dtype", "")).removeprefix("torch."), "[" + ", ".join(map(str, shape)) + "]",
+                     math.prod(shape),
+                     _number(entry.get("Min")), _number(entry.get("Max")), _number(entry.get("Mean")),
+                     _number(entry.get("Norm")), np.nan, np.nan, sites[stack_key],
+                     str(tensor_dir / data_name) if data_name else "", -1, 0, -1])
 
     for key, entry in data.items():
         api, own_path, direction, forward_key = _parse_key(key)

@@ -71,7 +71,7 @@ def _read(f: h5py.File, path: Path, steps: set[int] | None) -> Dump:
         samples = f["steps"][f"{step:06d}"]["samples"]
         return samples["values"][()], samples["positions"][()]
 
-    return Dump(source=str(path), kind="pi0align", mode=_text(f.attrs.get("mode", "stats")), rank=rank,
+    return Dump(source=str(path), mode=_text(f.attrs.get("mode", "stats")), rank=rank,
                 records=records, metrics=_metrics(f), manifest=_manifest(f), stacks=stacks,
                 tensor_reader=tensor_reader, sample_reader=sample_reader, notes=notes, close=f.close)
 

@@ -21,7 +21,6 @@ RECORD_COLUMNS = [
 
 INPUT_ROLES = ("input", "grad_output")  # what flows into a call (forward / backward)
 OUTPUT_ROLES = ("output", "grad_input")  # what flows out of it
-PARAMETER_ROLES = ("parameter", "parameter_grad")
 
 # Frames from these packages are hook and dispatch machinery, not the user's call site.
 _MACHINERY = ("/torch/", "/msprobe/", "/pi0align/dump/", "/torch_npu/")
@@ -32,7 +31,6 @@ class Dump:
     """One rank of one run, read from either format."""
 
     source: str
-    kind: str  # "pi0align" | "msprobe"
     mode: str  # "stats" | "sample" | "tensor"
     rank: int
     records: pd.DataFrame  # RECORD_COLUMNS
@@ -60,16 +58,21 @@ def call_site(frames: list[str]) -> str:
 
 
 def iter_flat_chunks(a: Any, b: Any, chunk_elements: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Equal flat float64 slices of two arrays of the same shape, about chunk_elements at a time."""
+    """Equal flat float64 slices of two arrays of the same shape, about chunk_elements at a time.
+    The slices are views of two buffers reused from chunk to chunk: use each before the next."""
     shape = tuple(a.shape)
     if len(shape) == 0:
         yield np.asarray(a[()], np.float64).reshape(1), np.asarray(b[()], np.float64).reshape(1)
         return
     row = int(np.prod(shape[1:], dtype=np.int64))
     rows = max(1, chunk_elements // max(row, 1))
+    buffers = np.empty((2, min(rows, shape[0]) * row))
     for start in range(0, shape[0], rows):
-        yield (np.asarray(a[start:start + rows], np.float64).reshape(-1),
-               np.asarray(b[start:start + rows], np.float64).reshape(-1))
+        chunk_a, chunk_b = a[start:start + rows], b[start:start + rows]
+        n = chunk_a.size
+        np.copyto(buffers[0, :n], np.reshape(chunk_a, -1), casting="unsafe")
+        np.copyto(buffers[1, :n], np.reshape(chunk_b, -1), casting="unsafe")
+        yield buffers[0, :n], buffers[1, :n]
 
 
 class Bfloat16Array:

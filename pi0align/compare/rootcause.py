@@ -15,7 +15,7 @@ import pandas as pd
 
 from pi0align.compare.records import INPUT_ROLES, OUTPUT_ROLES
 from pi0align.compare.result import CallRef, Culprit
-from pi0align.compare.thresholds import UNIT_ROUNDOFF, looser
+from pi0align.compare.thresholds import UNIT_ROUNDOFF, looser_classes
 
 STATS_ERRORS = ["norm_rel_err", "mean_val_rel_err", "min_rel_err", "max_val_rel_err"]
 AMPLIFICATION = 10.0
@@ -45,7 +45,7 @@ def call_errors(rows: pd.DataFrame) -> pd.DataFrame:
     is_in = judged["role"].isin(INPUT_ROLES).to_numpy()
     is_out = judged["role"].isin(OUTPUT_ROLES).to_numpy()
     fail = (judged["verdict"] == "fail").to_numpy()
-    floor = np.array([UNIT_ROUNDOFF[looser(x, y)] for x, y in zip(judged["dtype_a"], judged["dtype_b"])])
+    floor = np.array([UNIT_ROUNDOFF[c] for c in looser_classes(judged["dtype_a"], judged["dtype_b"]).tolist()])
     frame = pd.DataFrame({
         "rank": judged["rank"].to_numpy(), "step": judged["step"].to_numpy(),
         "direction": judged["direction"].to_numpy(), "seq_a": judged["seq_a"].to_numpy(np.int64),

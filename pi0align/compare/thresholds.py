@@ -13,6 +13,8 @@ import json
 import tomllib
 from pathlib import Path
 
+import numpy as np
+
 from pi0align.errors import UserError
 
 # Error metrics judged against a limit (everything in metrics.py except the informative ones:
@@ -62,6 +64,13 @@ def dtype_class(dtype: str) -> str:
 def looser(dtype_a: str, dtype_b: str) -> str:
     """The class with the larger unit roundoff: a pair of different dtypes is judged by it."""
     return max((dtype_class(dtype_a), dtype_class(dtype_b)), key=UNIT_ROUNDOFF.__getitem__)
+
+
+def looser_classes(dtypes_a, dtypes_b) -> np.ndarray:
+    """looser() for two columns of dtypes at once ("" where either side has no dtype)."""
+    a, b = np.asarray(dtypes_a, object), np.asarray(dtypes_b, object)
+    table = {pair: looser(*pair) if pair[0] and pair[1] else "" for pair in set(zip(a.tolist(), b.tolist()))}
+    return np.array([table[pair] for pair in zip(a.tolist(), b.tolist())], dtype=object)
 
 
 def load_thresholds(path: str | Path | None = None, overrides: dict[str, float | str] | None = None) -> dict:

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 
 from pi0align.compare.metrics import relative
-from pi0align.compare.thresholds import JUDGED_ERRORS, looser
+from pi0align.compare.thresholds import JUDGED_ERRORS, looser_classes
 
 JUDGED_PAIRINGS = ("matched", "realigned", "dtype_mismatch")  # shape mismatches cannot be compared
 
@@ -16,8 +16,7 @@ def severity(rows: pd.DataFrame, thresholds: dict) -> np.ndarray:
     A pair of two dtypes is judged by the looser one's thresholds."""
     result = np.full(len(rows), np.nan)
     judged = rows["pairing"].isin(JUDGED_PAIRINGS).to_numpy()
-    classes = np.array([looser(x, y) if j else "" for x, y, j in
-                        zip(rows["dtype_a"], rows["dtype_b"], judged)], dtype=object)
+    classes = np.where(judged, looser_classes(rows["dtype_a"], rows["dtype_b"]), "")
     for cls in set(classes[judged]):
         mask = classes == cls
         limits = thresholds[cls]
@@ -34,8 +33,9 @@ def severity(rows: pd.DataFrame, thresholds: dict) -> np.ndarray:
 
 
 def verdicts(rows: pd.DataFrame, severities: np.ndarray, thresholds: dict) -> np.ndarray:
-    warn_at = np.array([thresholds[looser(x, y)]["warn_fraction"] if not np.isnan(s) else np.nan
-                        for x, y, s in zip(rows["dtype_a"], rows["dtype_b"], severities)])
+    warn_fraction = {cls: limits["warn_fraction"] for cls, limits in thresholds.items()}
+    classes = looser_classes(rows["dtype_a"], rows["dtype_b"])
+    warn_at = np.array([warn_fraction.get(cls, np.nan) for cls in classes.tolist()], dtype=np.float64)
     with np.errstate(invalid="ignore"):
         return np.where(np.isnan(severities), "n/a",
                         np.where(severities > 1, "fail", np.where(severities > warn_at, "warn", "pass")))

@@ -3,6 +3,9 @@ nodes for backward, parameters and their gradients. `remove` undoes everything `
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -29,6 +32,9 @@ class Capture:
         self.log: StepLog | None = None
         self._mode: _ApiMode | None = None
         self._handles: list = []
+        self._wrapped: list[tuple[torch.nn.Module, object]] = []  # (module, its own forward before, or None)
+        self._npu_patches: list[tuple[object, str, object]] = []  # (torch_npu, attribute, original)
+        self._running = False  # a captured call is running: calls it makes are not captured
         self._module_paths: list[str] = []  # modules executing, innermost last
         self._open_modules: list[tuple | None] = []  # (call_id, name, sink) per executing module
         # After backward, the rest of the step (clipping, optimizer) is not the model's: calls are
@@ -40,22 +46,39 @@ class Capture:
 
     @property
     def installed(self) -> bool:
-        return bool(self._handles) or self._mode is not None
+        return bool(self._handles or self._wrapped) or self._mode is not None
 
     def install(self, model: torch.nn.Module | None) -> None:
         if model is not None:
             for path, module in model.named_modules():
-                self._handles.append(module.register_forward_pre_hook(self._pre_hook(path), with_kwargs=True))
-                self._handles.append(
-                    module.register_forward_hook(self._post_hook(path), with_kwargs=True, always_call=True)
-                )
+                self._wrap_forward(path, module)
             for name, param in model.named_parameters():
                 self._parameters.append((name, name.rpartition(".")[0], param))
                 if param.requires_grad:
                     self._handles.append(param.register_post_accumulate_grad_hook(self._grad_hook(name)))
         if self.level != "module":
+            self._patch_npu()
             self._mode = _ApiMode(self)
             self._mode.__enter__()
+
+    def _patch_npu(self) -> None:
+        """torch_npu's fused ops (`torch_npu.npu_*`) bypass `__torch_function__`: wrap them."""
+        npu = sys.modules.get("torch_npu")
+        for name in dir(npu) if npu is not None else ():
+            func = getattr(npu, name)
+            if name.startswith("npu_") and callable(func) and not isinstance(func, type):
+                setattr(npu, name, self._npu_wrapper(func, f"NPU.{name}"))
+                self._npu_patches.append((npu, name, func))
+
+    def _npu_wrapper(self, func, api: str):
+        @functools.wraps(func)
+        def call(*args, **kwargs):
+            if self.log is None or self.after_backward or self._running:
+                return func(*args, **kwargs)
+            with _quiet():
+                return self.api_call(func, api, args, kwargs)
+
+        return call
 
     def remove(self) -> None:
         if self._mode is not None:
@@ -63,10 +86,39 @@ class Capture:
             self._mode = None
         for handle in self._handles:
             handle.remove()
+        for module, previous in self._wrapped:
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+        for npu, name, func in self._npu_patches:
+            setattr(npu, name, func)
+        self._npu_patches.clear()
         self._handles.clear()
+        self._wrapped.clear()
         self._parameters.clear()
         self._module_paths.clear()
         self._open_modules.clear()
+
+    def _wrap_forward(self, path: str, module: torch.nn.Module) -> None:
+        """Wrap the module's `forward` on the instance: unlike forward hooks, this also sees
+        `module.forward(...)` called directly, as LeRobot's PI0 does."""
+        previous = module.__dict__.get("forward")
+        original = module.forward
+        enter, leave = self._enter_module, self._leave_module
+
+        @functools.wraps(original)
+        def forward(*args, **kwargs):
+            enter(path, module, args, kwargs)
+            output = None
+            try:
+                output = original(*args, **kwargs)
+            finally:
+                leave(path, output)
+            return output
+
+        module.forward = forward
+        self._wrapped.append((module, previous))
 
     def begin_step(self, log: StepLog) -> None:
         self.log = log
@@ -124,13 +176,13 @@ class Capture:
             # The call overwrites an input: its statistics and gradient edge must come first.
             opened = self._open(module, api, args, kwargs)
             if opened is None:
-                return func(*args, **kwargs)
+                return self._run(func, args, kwargs)
             self.log.add_tensors(opened[0], opened[1], "input", inputs)
             edges = backward.input_edges(inputs) if torch.is_grad_enabled() else []
-            result = func(*args, **kwargs)
+            result = self._run(func, args, kwargs)
             outputs = flatten_tensors(result, []) or inputs[:1]
         else:
-            result = func(*args, **kwargs)
+            result = self._run(func, args, kwargs)
             outputs = flatten_tensors(result, [])
             if not outputs:
                 return result  # a query (size, item, ...) or an action (backward): nothing to record
@@ -145,42 +197,39 @@ class Capture:
             backward.watch(outputs, edges, self._grad_sink(call_id))
         return result
 
-    def _pre_hook(self, path: str):
-        api = None
+    def _run(self, func, args: tuple, kwargs: dict):
+        self._running = True
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self._running = False
 
-        def hook(module, args, kwargs):
-            nonlocal api
-            self._module_paths.append(path)
-            self.after_backward = False
-            opened = None
-            if self.log is not None and self.level != "api":
-                api = api or f"Module.{type(module).__name__}"
-                with _quiet():
-                    opened = self._open(path, api, args, kwargs)
-                    if opened is not None:
-                        call_id, name = opened
-                        inputs = flatten_tensors(kwargs, flatten_tensors(args, []))
-                        self.log.add_tensors(call_id, name, "input", inputs)
-                        opened = (call_id, name, self._grad_sink(call_id))
-                        backward.watch_tensor_grads(inputs, "grad_input", opened[2])
-            self._open_modules.append(opened)
+    def _enter_module(self, path: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self._module_paths.append(path)
+        self.after_backward = False
+        opened = None
+        if self.log is not None and self.level != "api":
+            with _quiet():
+                opened = self._open(path, f"Module.{type(module).__name__}", args, kwargs)
+                if opened is not None:
+                    call_id, name = opened
+                    inputs = flatten_tensors(kwargs, flatten_tensors(args, []))
+                    self.log.add_tensors(call_id, name, "input", inputs)
+                    opened = (call_id, name, self._grad_sink(call_id))
+                    backward.watch_tensor_grads(inputs, "grad_input", opened[2])
+        self._open_modules.append(opened)
 
-        return hook
-
-    def _post_hook(self, path: str):
-        def hook(module, args, kwargs, output):
-            if not self._module_paths or self._module_paths[-1] != path:
-                return  # hooks installed while this module was already running
-            self._module_paths.pop()
-            opened = self._open_modules.pop()
-            if opened is not None and self.log is not None:
-                call_id, name, sink = opened
-                with _quiet():
-                    outputs = flatten_tensors(output, [])
-                    self.log.add_tensors(call_id, name, "output", outputs)
-                    backward.watch(outputs, [], sink)
-
-        return hook
+    def _leave_module(self, path: str, output) -> None:
+        if not self._module_paths or self._module_paths[-1] != path:
+            return  # installed while this module was already running
+        self._module_paths.pop()
+        opened = self._open_modules.pop()
+        if opened is not None and self.log is not None and output is not None:
+            call_id, name, sink = opened
+            with _quiet():
+                outputs = flatten_tensors(output, [])
+                self.log.add_tensors(call_id, name, "output", outputs)
+                backward.watch(outputs, [], sink)
 
     # ---- backward ------------------------------------------------------------------------------
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from pi0align.dump.manifest import build_manifest
 from pi0align.dump.sampling import Sampler
 from pi0align.dump.stats import ChecksumWeights
 from pi0align.dump.steplog import Filter, StepLog
-from pi0align.dump.writer import DumpFile, TensorWriter
+from pi0align.dump.writer import WRITE_ERRORS, DumpFile, TensorWriter
 from pi0align.errors import UserError
 
 MODES = ("stats", "sample", "tensor")
@@ -38,11 +40,13 @@ class Dumper:
     ranks: the ranks that dump (None: all).
     include, exclude: fnmatch patterns over record names (`module.path/API#k`).
     manifest: run facts to store (seed, seed_impl, config, dataset_fingerprint, git_commit, ...).
+    compress: gzip the full tensors of tensor mode (float data compresses little, and slowly).
     """
 
     def __init__(self, path: str | os.PathLike, steps: Iterable[int] | None = None, level: str = "mix",
                  mode: str = "stats", ranks: Iterable[int] | None = None, include: list[str] | None = None,
-                 exclude: list[str] | None = None, sample_size: int = 256, manifest: dict | None = None) -> None:
+                 exclude: list[str] | None = None, sample_size: int = 256, manifest: dict | None = None,
+                 compress: bool = True) -> None:
         if level not in LEVELS:
             raise UserError(f"dump level must be one of {', '.join(LEVELS)}, not {level!r}")
         if mode not in MODES:
@@ -55,6 +59,7 @@ class Dumper:
         self.ranks = None if ranks is None else frozenset(int(r) for r in ranks)
         self._filter = Filter(include, exclude)
         self._manifest = manifest
+        self._compress = compress
         self._step = 0
         self._model: torch.nn.Module | None = None
         self._file: DumpFile | None = None
@@ -118,7 +123,8 @@ class Dumper:
         self._end_step()
         self._uninstall()
         if self._metrics and self._file is not None:
-            self._write(None)
+            with self._write_errors():
+                self._write(None)
 
     def record_metrics(self, step: int, loss: float, grad_norm: float | None = None, lr: float | None = None) -> None:
         """Log one training step's loss, gradient norm and learning rate (dumped step or not);
@@ -145,10 +151,10 @@ class Dumper:
         manifest = build_manifest(self._model, self._rank, self._world_size, self._manifest)
         try:
             self._file = DumpFile(self.file, attrs, manifest)
-        except OSError as error:
+        except WRITE_ERRORS as error:
             raise UserError(f"cannot write the dump file {self.file}: {_reason(error)}") from None
         if self.mode == "tensor":
-            self._tensors = TensorWriter(self.file)
+            self._tensors = TensorWriter(self.file, compress=self._compress)
 
     def _selected(self) -> bool:
         return self.steps is None or self._step in self.steps
@@ -178,13 +184,20 @@ class Dumper:
         if self._capture is None or self._capture.log is None:
             return
         log = self._capture.end_step()
-        try:
+        with self._write_errors():
             if self._tensors is not None:
                 self._tensors.end_step()
             if log is not None:
                 self._write(log)
-        except OSError as error:
+
+    @contextlib.contextmanager
+    def _write_errors(self):
+        """A write that fails (full disk, vanished folder) removes every hook, then says so in one line."""
+        try:
+            yield
+        except WRITE_ERRORS as error:
             self._uninstall()
+            self._started = False
             raise UserError(f"cannot write the dump file {self.file}: {_reason(error)}") from None
 
     def _write(self, log: StepLog | None) -> None:
@@ -193,10 +206,7 @@ class Dumper:
         stacks = self._capture.stacks.take_new() if self._capture is not None else []
         metrics, self._metrics = self._metrics, []
         tensors_file = self._tensors_file if tables is not None and self._tensors is not None else None
-        try:
-            self._file.write(tables, stacks, metrics, tensors_file)
-        except OSError as error:
-            raise UserError(f"cannot write the dump file {self.file}: {_reason(error)}") from None
+        self._file.write(tables, stacks, metrics, tensors_file)
 
 
 def _rank_and_world_size() -> tuple[int, int]:
@@ -211,5 +221,8 @@ def _as_float(value) -> float:
     return float(value.item() if isinstance(value, torch.Tensor) else value)
 
 
-def _reason(error: OSError) -> str:
-    return error.strerror or str(error).splitlines()[0]
+def _reason(error: Exception) -> str:
+    """The operating system's words for it (h5py buries them in a longer message)."""
+    text = getattr(error, "strerror", None) or str(error)
+    found = re.search(r"error message = '([^']*)'", text)
+    return found.group(1) if found else text.splitlines()[0]

@@ -99,11 +99,15 @@ def _write_step(f: h5py.File, tables: StepTables, tensors_file: str | None) -> N
     group.attrs["complete"] = True
 
 
+WRITE_ERRORS = (OSError, RuntimeError)  # h5py reports some failed writes (a full disk) as RuntimeError
+
+
 class TensorWriter:
     """Writes full tensors of one step at a time to `<dump>.tensors/<step>.h5` on a thread."""
 
-    def __init__(self, dump_path: Path, queue_size: int = 64) -> None:
+    def __init__(self, dump_path: Path, compress: bool = True, queue_size: int = 64) -> None:
         self.folder = dump_path.with_name(dump_path.name + ".tensors")
+        self._filters = {"compression": "gzip", "compression_opts": 1, "shuffle": True} if compress else {}
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._error: BaseException | None = None
         self._file: h5py.File | None = None
@@ -156,9 +160,7 @@ class TensorWriter:
                     self._handle(item)
             except BaseException as error:  # noqa: BLE001 - handed to the training thread
                 failed, self._error = True, error
-                if self._file is not None:
-                    self._file.close()
-                    self._file = None
+                self._close_quietly()
             finally:
                 self._queue.task_done()
 
@@ -169,12 +171,20 @@ class TensorWriter:
             self._file = h5py.File(item[1], "w")
         elif kind == "write":
             data, dtype = tensor_to_numpy(item[2])
-            filters = {"compression": "gzip", "compression_opts": 1, "shuffle": True} if data.ndim else {}
-            dataset = self._file.create_dataset(item[1], data=data, **filters)
+            dataset = self._file.create_dataset(item[1], data=data, **(self._filters if data.ndim else {}))
             dataset.attrs["dtype"] = dtype
         elif kind == "close" and self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            file.close()
+
+    def _close_quietly(self) -> None:
+        """After a failed write (disk full), closing may fail the same way: the first error is the one to report."""
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()
+            except (OSError, RuntimeError):
+                pass
 
 
 def tensor_to_numpy(tensor: torch.Tensor) -> tuple[np.ndarray, str]:

@@ -1,0 +1,82 @@
+"""Metrics: defined answers for zeros, single elements, NaN and Inf; streaming equals one pass."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pi0align.compare.metrics import sample_metrics, stats_metrics, tensor_metrics
+
+pytestmark = pytest.mark.filterwarnings("error")
+
+
+def test_known_values():
+    b = np.array([1.0, 2.0, 4.0])
+    n = np.array([1.0, 2.0, 4.008])
+    m = tensor_metrics(b, n)
+    assert m["max_abs_err"] == pytest.approx(0.008)
+    assert m["max_rel_err"] == pytest.approx(2e-3) and m["mean_rel_err"] == pytest.approx(2e-3 / 3)
+    assert m["rel_l2_err"] == pytest.approx(0.008 / np.sqrt(21))
+    assert m["rmse"] == pytest.approx(0.008 / np.sqrt(3))
+    assert m["within_5e-3"] == 1.0 and m["within_1e-3"] == pytest.approx(2 / 3)
+    assert 0.99999 < m["cosine"] < 1.0 and m["nan_inf_mismatch"] == 0
+
+
+@pytest.mark.parametrize("b, n, expected", [
+    ([0.0, 0.0], [0.0, 0.0], {"cosine": 1.0, "rel_l2_err": 0.0, "max_rel_err": 0.0, "within_1e-3": 1.0}),
+    ([0.0, 0.0], [1.0, 0.0], {"cosine": 0.0, "rel_l2_err": np.inf, "max_rel_err": np.inf, "within_1e-3": 0.5}),
+    ([3.0], [3.0], {"cosine": 1.0, "rel_l2_err": 0.0, "rmse": 0.0}),
+    ([2.0], [-2.0], {"cosine": -1.0, "rel_l2_err": 2.0}),
+    ([np.nan, 1.0], [np.nan, 1.0], {"nan_inf_mismatch": 0, "rel_l2_err": 0.0}),
+    ([np.inf, 1.0], [np.inf, 1.0], {"nan_inf_mismatch": 0, "rel_l2_err": 0.0}),
+    ([np.inf, 1.0], [-np.inf, 1.0], {"nan_inf_mismatch": 1, "rel_l2_err": 0.0}),
+    ([np.nan, 1.0], [5.0, 1.0], {"nan_inf_mismatch": 1, "rel_l2_err": 0.0}),
+    ([np.nan], [np.nan], {"nan_inf_mismatch": 0, "rel_l2_err": np.nan, "cosine": np.nan}),
+])
+def test_edge_cases_have_defined_answers(b, n, expected):
+    m = tensor_metrics(np.array(b), np.array(n))
+    for key, value in expected.items():
+        assert m[key] == pytest.approx(value, nan_ok=True), key
+
+
+def test_scalar_tensor():
+    m = tensor_metrics(np.float32(2.0), np.float32(2.5))
+    assert m["max_abs_err"] == 0.5 and m["rel_l2_err"] == 0.25
+
+
+def test_streaming_in_chunks_and_threads_equals_one_pass():
+    rng = np.random.default_rng(0)
+    b = rng.standard_normal((300, 70)).astype(np.float32)
+    n = (b * (1 + 1e-4 * rng.standard_normal(b.shape))).astype(np.float32)
+    b[3, 4], n[3, 4] = 0.0, 0.0
+    n[5, 6] = np.nan
+    whole = tensor_metrics(b, n, chunk_elements=1 << 20, workers=1)
+    chunked = tensor_metrics(b, n, chunk_elements=500, workers=3)
+    for key in whole:
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-9), key
+    assert whole["nan_inf_mismatch"] == 1
+
+
+def test_samples_are_per_row_and_unused_slots_ignored():
+    b = np.array([[1.0, 2.0, np.nan], [1.0, 1.0, 1.0]])
+    n = np.array([[1.0, 2.2, np.nan], [1.0, 1.0, 1.0]])
+    m = sample_metrics(b, n)
+    assert m["max_abs_err"] == pytest.approx([0.2, 0.0])
+    assert m["rel_l2_err"][1] == 0.0 and m["nan_inf_mismatch"].tolist() == [0, 0]
+
+
+def test_statistics_errors_are_scaled_by_the_tensor_not_the_statistic():
+    b = {"min": np.array([-1.0]), "max": np.array([1.0]), "mean": np.array([1e-9]), "norm": np.array([10.0]),
+         "numel": np.array([100])}
+    n = {"min": np.array([-1.001]), "max": np.array([1.0]), "mean": np.array([2e-9]), "norm": np.array([10.0]),
+         "numel": np.array([100])}
+    m = stats_metrics(b, n)
+    assert m["mean_val_rel_err"][0] == pytest.approx(1e-9)  # not 100%: the mean is near zero, RMS is 1
+    assert m["min_rel_err"][0] == pytest.approx(1e-3) and m["norm_rel_err"][0] == 0.0
+
+
+def test_statistics_of_all_nan_tensors():
+    nan = {k: np.array([np.nan]) for k in ("min", "max", "mean", "norm")} | {"numel": np.array([4])}
+    one = {k: np.array([1.0]) for k in ("min", "max", "mean", "norm")} | {"numel": np.array([4])}
+    assert all(v[0] == 0 for v in stats_metrics(nan, nan).values())
+    assert all(np.isinf(v[0]) for v in stats_metrics(one, nan).values())

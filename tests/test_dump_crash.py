@@ -1,0 +1,58 @@
+"""A training run killed with SIGKILL during a dumped step leaves a dump file that opens and holds
+every step completed before the kill (LeRobot's PI0, tiny preset)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import pytest
+
+from conftest import REPO
+
+CHILD = """
+import sys
+from pathlib import Path
+from pi0align import Dumper
+from pi0align.train.config import TrainConfig
+from pi0align.train.loop import train
+
+class Announcing(Dumper):
+    def step(self):
+        super().step()
+        print(f"dumped {self.current_step - 1}", flush=True)
+
+out = Path(sys.argv[1])
+train(TrainConfig(preset="tiny", steps=1000, batch_size=4, threads=1, out=out / "run", progress=False, log_every=0),
+      dumper=Announcing(out / "dump", steps=None, level="mix", mode=sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("mode", ["stats", "tensor"])
+def test_sigkill_during_a_dumped_step_leaves_every_earlier_step(tmp_path, mode):
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), mode], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        for line in child.stdout:
+            if line.strip() == "dumped 2":
+                break
+        time.sleep(0.05)  # inside step 3, which is dumped too
+        assert child.poll() is None, "the run ended before it could be killed"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    with h5py.File(tmp_path / "dump" / "dump.h5", "r") as f:
+        steps = sorted(f["steps"])
+        assert steps[:3] == ["000000", "000001", "000002"]
+        for step in ("000000", "000001", "000002"):
+            group = f[f"steps/{step}"]
+            assert group.attrs["complete"] and len(group["records/role"]) > 100
+            assert len(group["calls/name"]) == len(group["calls/seq"])
+            if mode == "tensor":
+                assert group["tensors/0"].size > 0
+        assert list(f["metrics/step"][:3]) == [0, 1, 2]

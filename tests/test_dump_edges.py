@@ -1,0 +1,140 @@
+"""Edge tensors (NaN/Inf, empty, integer, bool, complex, sparse, meta, subclasses) are recorded or
+skipped with a reason, never a crash; tensor mode stores bfloat16 and float16 losslessly."""
+
+from __future__ import annotations
+
+import math
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from dump_helpers import find, read_step, reference_checksum
+from pi0align import Dumper
+from pi0align.dump.stats import ChecksumWeights, StatsBatch, _masked
+
+torch.set_num_threads(1)
+
+
+class Tagged(torch.Tensor):
+    pass
+
+
+@pytest.fixture(scope="module")
+def edges(tmp_path_factory):
+    path = tmp_path_factory.mktemp("edges")
+    special = torch.tensor([1.0, math.nan, math.inf, -math.inf, 2.0])
+    with Dumper(path, steps=[0], level="api") as dumper:
+        dumper.start()
+        torch.abs(special)
+        torch.zeros(0) + 1
+        torch.arange(5) * 3
+        torch.tensor([True, False]) & torch.tensor([True, True])
+        torch.complex(torch.ones(2), torch.zeros(2))
+        torch.eye(3).to_sparse() * 2
+        torch.empty(3, device="meta") + 1
+        torch.ones(2).as_subclass(Tagged) * 2
+        ones = torch.ones(3)
+        ones[1:] = 5  # in place: the input is recorded before the call, the output after
+        dumper.step()
+    return read_step(path / "dump.h5", 0)
+
+
+def test_nan_and_inf_are_counted_and_left_out_of_the_other_statistics(edges):
+    records = edges["records"]
+    row = find(edges, "/Torch.abs#0", "forward", "input")
+    assert (records["nan_count"][row], records["inf_count"][row]) == (1, 2)
+    assert (records["min"][row], records["max"][row], records["mean"][row]) == (1.0, 2.0, 1.5)
+    assert records["norm"][row] == pytest.approx(math.sqrt(5))
+    assert records["checksum"][row] == reference_checksum(torch.tensor([1.0, math.nan, math.inf, -math.inf, 2.0]))
+    assert records["skipped"][row] == ""
+
+
+def test_empty_integer_bool_complex_sparse_meta_and_subclass_tensors(edges):
+    records = edges["records"]
+
+    def skipped(name, role="input", arg=0):
+        return records["skipped"][find(edges, name, "forward", role, arg)]
+
+    assert skipped("/Tensor.add#0") == "empty" and skipped("/Tensor.add#0", "output") == "empty"
+    row = find(edges, "/Tensor.mul#0", "forward", "output")
+    assert (records["dtype"][row], records["min"][row], records["max"][row], records["mean"][row]) == ("int64", 0, 12, 6)
+    assert records["checksum"][row] == reference_checksum(torch.arange(5) * 3)
+    row = find(edges, "/Tensor.__and__#0", "forward", "output")
+    assert (records["dtype"][row], records["mean"][row], records["skipped"][row]) == ("bool", 0.5, "")
+    assert skipped("/Torch.complex#0", "output") == "complex"
+    assert skipped("/Tensor.mul#1") == "sparse"
+    assert skipped("/Tensor.add#1") == "meta"
+    assert skipped("/Tensor.mul#2") == "subclass:Tagged"
+    assert all(math.isnan(records["norm"][i]) for i, s in enumerate(records["skipped"]) if s)
+
+
+def test_in_place_calls_record_their_input_before_and_output_after(edges):
+    records = edges["records"]
+    before = find(edges, "/Tensor.__setitem__#0", "forward", "input", 0)
+    after = find(edges, "/Tensor.__setitem__#0", "forward", "output", 0)
+    assert (records["mean"][before], records["mean"][after]) == (1.0, 11 / 3)
+
+
+def test_masked_statistics_agree_with_the_fast_path_on_finite_tensors():
+    x = torch.randn(1000)
+    batch = StatsBatch(ChecksumWeights())
+    batch.add(x)
+    floats, ints = batch.collect()
+    lo, hi, total, squares, nan, inf = _masked(x)
+    assert (lo.item(), hi.item(), nan.item(), inf.item()) == (floats[0, 0], floats[0, 1], 0, 0)
+    assert total.item() / 1000 == pytest.approx(floats[0, 2]) and math.sqrt(squares.item()) == pytest.approx(floats[0, 3])
+    assert ints[0, 2] == reference_checksum(x)
+
+
+@pytest.mark.parametrize("numel", [1, 255, 256, 257, 3 * 256 + 7, 100_003])
+def test_checksum_for_any_length(numel):
+    x = torch.randn(numel).to(torch.bfloat16)
+    batch = StatsBatch(ChecksumWeights())
+    batch.add(x)
+    assert batch.collect()[1][0, 2] == reference_checksum(x)
+
+
+def test_tensor_mode_stores_low_precision_tensors_losslessly(tmp_path):
+    a = torch.randn(4, 8).to(torch.bfloat16)
+    b = torch.randn(4, 8).to(torch.float16)
+    with Dumper(tmp_path, steps=[0], level="api", mode="tensor") as dumper:
+        dumper.start()
+        a * 2
+        b.t() * 2
+        dumper.step()
+    tables = read_step(tmp_path / "dump.h5", 0)
+    with h5py.File(tmp_path / "dump.h5", "r") as f:
+        group = f["steps/000000"]
+        stored = group[tables["records"]["tensor"][find(tables, "/Tensor.mul#0", "forward", "input")]]
+        assert stored.attrs["dtype"] == "bfloat16" and stored.dtype == np.uint16 and stored.compression == "gzip"
+        assert torch.equal(torch.from_numpy(stored[()].view(np.int16)).view(torch.bfloat16), a)
+        stored = group[tables["records"]["tensor"][find(tables, "/Tensor.mul#1", "forward", "input")]]
+        assert stored.attrs["dtype"] == "float16" and np.array_equal(stored[()], b.t().numpy())
+
+
+def test_torch_npu_fused_ops_are_captured_once_and_restored(tmp_path, monkeypatch):
+    # No Ascend NPU here: a stand-in torch_npu module with one fused op exercises the wrapping.
+    import sys
+    import types
+
+    fake = types.ModuleType("torch_npu")
+
+    def npu_scale(x, factor):
+        return torch.mul(x, factor)
+
+    fake.npu_scale = npu_scale
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    x = torch.ones(3, requires_grad=True)
+    with Dumper(tmp_path, steps=[0], level="api") as dumper:
+        dumper.start()
+        fake.npu_scale(x, 2.0).sum().backward()
+        dumper.step()
+    assert fake.npu_scale is npu_scale
+    tables = read_step(tmp_path / "dump.h5", 0)
+    calls = list(zip(tables["calls"]["name"], tables["calls"]["direction"]))
+    assert calls == [("/NPU.npu_scale#0", "forward"), ("/Tensor.sum#0", "forward"), ("/Tensor.sum#0", "backward"),
+                     ("/NPU.npu_scale#0", "backward")]
+    assert tables["records"]["mean"][find(tables, "/NPU.npu_scale#0", "forward", "output")] == 2.0
+    assert tables["records"]["mean"][find(tables, "/NPU.npu_scale#0", "backward", "grad_input")] == 2.0

@@ -1,0 +1,97 @@
+"""User errors end in one clear line (UserError), and a dump that cannot be written leaves the
+training untouched: hooks removed, the next steps bit-identical to a run that never dumped."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+from pi0align import Dumper
+from pi0align.errors import UserError
+
+torch.set_num_threads(1)
+
+
+def test_unwritable_path_is_one_clear_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    dumper = Dumper(blocker / "dump", steps=[0])
+    with pytest.raises(UserError) as error:
+        dumper.start(torch.nn.Linear(2, 2))
+    message = str(error.value)
+    assert "cannot write the dump file" in message and str(blocker) in message and "\n" not in message
+    assert not torch._C._is_torch_function_mode_enabled()
+
+
+@pytest.mark.parametrize(("kwargs", "fragment"), [
+    ({"level": "L1"}, "dump level must be one of api, module, mix"),
+    ({"mode": "md5"}, "dump mode must be one of stats, sample, tensor"),
+    ({"sample_size": 0}, "sample size"),
+])
+def test_bad_options_are_one_clear_error(tmp_path, kwargs, fragment):
+    with pytest.raises(UserError, match=fragment):
+        Dumper(tmp_path, **kwargs)
+
+
+FULL_DISK = """
+import resource, signal, sys
+import torch
+sys.path.insert(0, "tests")
+from dump_helpers import Net, train_steps
+from pi0align import Dumper
+from pi0align.errors import UserError
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+inputs = [torch.randn(64, 4) for _ in range(3)]
+torch.manual_seed(1)
+reference = train_steps(Net(), inputs)
+
+torch.manual_seed(1)
+net = Net()
+optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+dumper = Dumper(sys.argv[1], steps=[0], level="mix", mode="tensor")
+dumper.start(net)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG: a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+results = []
+for step, x in enumerate(inputs):
+    loss = net(x).square().mean()
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    results.append((loss.item(), grad_norm.item()))
+    try:
+        dumper.step()
+    except UserError as error:
+        print("error:", error)
+        assert not torch._C._is_torch_function_mode_enabled()
+        assert all("forward" not in m.__dict__ for m in net.modules())
+assert results == reference, (results, reference)
+print("training unchanged", flush=True)
+# HDF5 cannot close a file whose writes failed and crashes at interpreter exit (h5py 3.16, HDF5 2.0):
+# a known limitation, outside what this test checks.
+import os
+os._exit(0)
+"""
+
+
+def test_a_full_disk_is_one_clear_error_and_training_goes_on_unchanged(tmp_path):
+    result = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "training unchanged"
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and "cannot write the dump file" in errors[0] and "too large" in errors[0].lower()
+
+
+def test_importing_pi0align_does_not_import_torch():
+    code = "import sys, pi0align; pi0align.__version__; assert 'torch' not in sys.modules; " \
+           "from pi0align import Dumper; assert 'torch' in sys.modules and Dumper.__name__ == 'Dumper'"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)

@@ -1,0 +1,243 @@
+"""A hand-built model with a known call sequence: the dump holds exactly the expected calls,
+records, names, sequence numbers, backward records, parameters and their gradients, with
+statistics and checksums equal to those of the real tensors."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from dump_helpers import Net, find, manifest, read_step, record_rows, reference_checksum, train_steps
+from pi0align import Dumper
+
+torch.set_num_threads(1)
+
+API_CALLS = [
+    ("block.proj/Functional.linear#0", "forward"),
+    ("block/Torch.tanh#0", "forward"),
+    ("block.proj/Functional.linear#1", "forward"),
+    ("block/Torch.tanh#1", "forward"),
+    ("head/Functional.linear#0", "forward"),
+    ("/Tensor.square#0", "forward"),
+    ("/Tensor.mean#0", "forward"),
+    ("/Tensor.mean#0", "backward"),
+    ("/Tensor.square#0", "backward"),
+    ("head/Functional.linear#0", "backward"),
+    ("block/Torch.tanh#1", "backward"),
+    ("block.proj/Functional.linear#1", "backward"),
+    ("block/Torch.tanh#0", "backward"),
+    ("block.proj/Functional.linear#0", "backward"),
+    ("block.proj.weight/Parameter#0", "parameter"),
+    ("block.proj.bias/Parameter#0", "parameter"),
+    ("head.weight/Parameter#0", "parameter"),
+    ("head.bias/Parameter#0", "parameter"),
+]
+
+
+def _linear(name, direction, x_has_grad=True):
+    if direction == "forward":
+        return [(name, direction, "input", 0), (name, direction, "input", 1), (name, direction, "input", 2),
+                (name, direction, "output", 0)]
+    return [(name, direction, "grad_output", 0)] + [(name, direction, "grad_input", i) for i in (0, 1, 2)
+                                                     if i or x_has_grad]
+
+
+def _unary(name, direction):
+    return [(name, direction, "input", 0), (name, direction, "output", 0)] if direction == "forward" else \
+        [(name, direction, "grad_output", 0), (name, direction, "grad_input", 0)]
+
+
+API_RECORDS = (
+    _linear("block.proj/Functional.linear#0", "forward") + _unary("block/Torch.tanh#0", "forward")
+    + _linear("block.proj/Functional.linear#1", "forward") + _unary("block/Torch.tanh#1", "forward")
+    + _linear("head/Functional.linear#0", "forward") + _unary("/Tensor.square#0", "forward")
+    + _unary("/Tensor.mean#0", "forward") + _unary("/Tensor.mean#0", "backward")
+    + _unary("/Tensor.square#0", "backward") + _linear("head/Functional.linear#0", "backward")
+    + _unary("block/Torch.tanh#1", "backward") + _linear("block.proj/Functional.linear#1", "backward")
+    + _unary("block/Torch.tanh#0", "backward")
+    + _linear("block.proj/Functional.linear#0", "backward", x_has_grad=False)
+    + [(f"{p}/Parameter#0", "parameter", role, 0) for p in ("block.proj.weight", "block.proj.bias", "head.weight",
+                                                            "head.bias") for role in ("parameter", "parameter_grad")]
+)
+
+MIX_CALLS = [
+    ("/Module.Net#0", "forward"),
+    ("block/Module.Block#0", "forward"),
+    ("block.proj/Module.Linear#0", "forward"),
+    ("block.proj/Functional.linear#0", "forward"),
+    ("block/Torch.tanh#0", "forward"),
+    ("block/Module.Block#1", "forward"),
+    ("block.proj/Module.Linear#1", "forward"),
+    ("block.proj/Functional.linear#1", "forward"),
+    ("block/Torch.tanh#1", "forward"),
+    ("head/Module.Linear#0", "forward"),
+    ("head/Functional.linear#0", "forward"),
+    ("/Tensor.square#0", "forward"),
+    ("/Tensor.mean#0", "forward"),
+    ("/Tensor.mean#0", "backward"),
+    ("/Tensor.square#0", "backward"),
+    ("head/Functional.linear#0", "backward"),
+    ("head/Module.Linear#0", "backward"),
+    ("/Module.Net#0", "backward"),
+    ("block/Torch.tanh#1", "backward"),
+    ("block/Module.Block#1", "backward"),
+    ("block.proj/Functional.linear#1", "backward"),
+    ("block.proj/Module.Linear#1", "backward"),
+    ("block/Torch.tanh#0", "backward"),
+    ("block/Module.Block#0", "backward"),
+    ("block.proj/Functional.linear#0", "backward"),
+    ("block.proj/Module.Linear#0", "backward"),
+    *API_CALLS[-4:],
+]
+
+
+@pytest.fixture(scope="module")
+def dumped(tmp_path_factory):
+    """Two SGD steps of Net, step 1 dumped at levels api, module and mix; and the tensors of step 1."""
+    base = tmp_path_factory.mktemp("records")
+    torch.manual_seed(0)
+    inputs = [torch.randn(3, 4), torch.randn(3, 4)]
+    out = {}
+    for level in ("api", "module", "mix"):
+        torch.manual_seed(1)
+        net = Net()
+        train_steps(net, inputs, Dumper(base / level, steps=[1], level=level, manifest={"seed": 1}))
+        out[level] = base / level / "dump.h5"
+    # The same step without the dumper, keeping what the records must describe.
+    torch.manual_seed(1)
+    net = Net()
+    train_steps(net, inputs[:1])
+    params = {name: p.detach().clone() for name, p in net.named_parameters()}
+    out_h = net.head(net.block(net.block(inputs[1])))
+    loss = out_h.square().mean()
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in net.named_parameters()}
+    out["expected"] = {"params": params, "grads": grads, "head_out": out_h.detach(), "loss": loss.detach()}
+    return out
+
+
+def test_api_level_calls_and_records_are_exactly_the_known_sequence(dumped):
+    tables = read_step(dumped["api"], 1)
+    calls = tables["calls"]
+    assert list(zip(calls["name"], calls["direction"])) == API_CALLS
+    assert calls["seq"] == list(range(len(API_CALLS))) and calls["call_id"] == list(range(len(API_CALLS)))
+    assert record_rows(tables) == API_RECORDS
+    modules = dict(zip(calls["name"], calls["module"]))
+    assert modules["block.proj/Functional.linear#1"] == "block.proj" and modules["/Tensor.mean#0"] == ""
+    assert modules["head.weight/Parameter#0"] == "head"
+    assert set(calls["api"][:3]) == {"Functional.linear", "Torch.tanh"}
+    assert tables["attrs"]["complete"] and tables["attrs"]["step"] == 1
+
+
+def test_mix_level_adds_module_calls_in_order_and_module_level_has_only_them(dumped):
+    calls = read_step(dumped["mix"], 1)["calls"]
+    assert list(zip(calls["name"], calls["direction"])) == MIX_CALLS
+    module_calls = read_step(dumped["module"], 1)["calls"]
+    assert list(zip(module_calls["name"], module_calls["direction"])) == [
+        c for c in MIX_CALLS if "/Module." in c[0] or c[1] == "parameter"]
+
+
+def test_statistics_and_checksums_are_those_of_the_real_tensors(dumped):
+    tables, expected = read_step(dumped["api"], 1), dumped["expected"]
+    records = tables["records"]
+
+    def check(row, tensor):
+        t = tensor.double()
+        assert records["shape"][row] == json.dumps(list(tensor.shape)) and records["numel"][row] == tensor.numel()
+        assert records["min"][row] == pytest.approx(t.min().item(), rel=1e-6)
+        assert records["max"][row] == pytest.approx(t.max().item(), rel=1e-6)
+        assert records["mean"][row] == pytest.approx(t.mean().item(), rel=1e-5, abs=1e-7)
+        assert records["norm"][row] == pytest.approx(t.norm().item(), rel=1e-5)
+        assert records["nan_count"][row] == 0 and records["inf_count"][row] == 0
+        assert records["checksum"][row] == reference_checksum(tensor)
+
+    for name, value in expected["params"].items():
+        check(find(tables, f"{name}/Parameter#0", "parameter", "parameter"), value)
+        check(find(tables, f"{name}/Parameter#0", "parameter", "parameter_grad"), expected["grads"][name])
+    check(find(tables, "head/Functional.linear#0", "forward", "output"), expected["head_out"])
+    check(find(tables, "/Tensor.mean#0", "forward", "output"), expected["loss"])
+    # The head's weight is used once: the gradient flowing out of the call to it is its gradient.
+    row = find(tables, "head/Functional.linear#0", "backward", "grad_input", 1)
+    check(row, expected["grads"]["head.weight"])
+    # A parameter read by a call is the same tensor as the parameter record: same statistics.
+    param_row = find(tables, "head.weight/Parameter#0", "parameter", "parameter")
+    input_row = find(tables, "head/Functional.linear#0", "forward", "input", 1)
+    assert records["checksum"][input_row] == records["checksum"][param_row]
+
+
+def test_arguments_stacks_metrics_and_root_attributes(dumped):
+    path = dumped["api"]
+    tables = read_step(path, 1)
+    calls = tables["calls"]
+    args = json.loads(calls["args"][calls["name"].index("block.proj/Functional.linear#0")])
+    assert args == {"args": [{"tensor": 0}, {"tensor": 1}, {"tensor": 2}], "kwargs": {}}
+    with h5py.File(path, "r") as f:
+        assert f.attrs["format"] == "pi0align-dump" and f.attrs["version"] == 1
+        assert (f.attrs["mode"], f.attrs["level"], f.attrs["rank"], f.attrs["world_size"]) == ("stats", "api", 0, 1)
+        assert list(f["steps"]) == ["000001"]
+        stacks = dict(zip(f["stacks/stack_id"][()], (json.loads(s) for s in f["stacks/frames"][()])))
+        assert list(f["metrics/step"][()]) == [0, 1]
+        loss, lr = f["metrics/loss"][()], f["metrics/lr"][()]
+    tanh_stack = stacks[calls["stack_id"][calls["name"].index("block/Torch.tanh#1")]]
+    assert tanh_stack[-1].startswith(__file__.replace("test_dump_records.py", "dump_helpers.py"))
+    assert tanh_stack[-1].endswith(" forward") and any("train_steps" in frame for frame in tanh_stack)
+    assert calls["stack_id"][calls["name"].index("head.weight/Parameter#0")] == -1
+    assert len(stacks) == len(set(c for c in calls["stack_id"] if c >= 0))  # once per call site
+    assert tables["attrs"]["loss"] == loss[1] and lr[1] == 0.1
+    meta = manifest(path)
+    assert meta["seed"] == 1 and meta["device"] == "cpu" and meta["dtype"] == "float32"
+    assert len(meta["weights_sha256"]) == 64 and meta["versions"]["torch"] and meta["world_size"] == 1
+
+
+def test_include_and_exclude_patterns_select_records_by_name(tmp_path):
+    torch.manual_seed(1)
+    net = Net()
+    dumper = Dumper(tmp_path, steps=[0], level="api", include=["block*"], exclude=["*tanh*"])
+    train_steps(net, [torch.randn(3, 4)], dumper)
+    names = set(read_step(tmp_path / "dump.h5", 0)["calls"]["name"])
+    assert names == {"block.proj/Functional.linear#0", "block.proj/Functional.linear#1",
+                     "block.proj.weight/Parameter#0", "block.proj.bias/Parameter#0"}
+
+
+def test_stop_removes_everything_and_steps_not_chosen_install_nothing(tmp_path):
+    torch.manual_seed(1)
+    net = Net()
+    forwards = {name: m.forward for name, m in net.named_modules()}
+    dumper = Dumper(tmp_path, steps=[1], level="mix")
+    dumper.start(net)
+    assert not torch._C._is_torch_function_mode_enabled()  # step 0 is not dumped: nothing installed
+    assert all("forward" not in m.__dict__ for m in net.modules())
+    dumper.step()
+    assert torch._C._is_torch_function_mode_enabled() and all("forward" in m.__dict__ for m in net.modules())
+    dumper.stop()
+    assert not torch._C._is_torch_function_mode_enabled()
+    assert all("forward" not in m.__dict__ for m in net.modules())
+    assert {name: m.forward for name, m in net.named_modules()} == forwards
+    assert all(not p._post_accumulate_grad_hooks for p in net.parameters())
+    with h5py.File(tmp_path / "dump.h5", "r") as f:
+        assert "steps" not in f or not list(f["steps"])  # nothing ran in step 1
+
+
+def test_msprobe_style_start_stop_around_each_step(tmp_path):
+    torch.manual_seed(1)
+    net = Net()
+    dumper = Dumper(tmp_path, steps=[0, 1], level="api")
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        dumper.start(net)
+        net(x).sum().backward()
+        dumper.stop()
+        dumper.step()
+    for step in (0, 1):
+        calls = read_step(tmp_path / "dump.h5", step)["calls"]
+        assert calls["name"][:2] == ["block.proj/Functional.linear#0", "block/Torch.tanh#0"]
+        assert calls["direction"].count("backward") == 6
+
+
+def test_optimizer_and_clipping_after_backward_are_not_recorded(dumped):
+    apis = set(read_step(dumped["api"], 1)["calls"]["api"])
+    assert not any(api.endswith(("add_", "mul_", "_foreach_add_", "norm")) for api in apis), apis

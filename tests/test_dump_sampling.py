@@ -1,0 +1,52 @@
+"""Sample mode: positions depend only on a record's name, role, argument index and shape, so two
+runs with different data sample the same elements; the values are those elements."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dump_helpers import Net, find, read_step, train_steps
+from pi0align import Dumper
+from pi0align.dump.sampling import sample_positions
+
+torch.set_num_threads(1)
+SIZE = 5
+
+
+def dump(path, seed: int) -> tuple[dict, dict]:
+    torch.manual_seed(seed)
+    net = Net()
+    params = {name: p.detach().clone() for name, p in net.named_parameters()}
+    train_steps(net, [torch.randn(3, 4) * seed], Dumper(path, steps=[0], level="mix", mode="sample", sample_size=SIZE))
+    return read_step(path / "dump.h5", 0), params
+
+
+def test_two_runs_with_different_data_sample_the_same_positions(tmp_path):
+    (first, params), (second, _) = dump(tmp_path / "a", 1), dump(tmp_path / "b", 2)
+    assert first["calls"]["name"] == second["calls"]["name"]
+    assert np.array_equal(first["samples"]["positions"], second["samples"]["positions"])
+    assert first["records"]["sample_count"] == second["records"]["sample_count"]
+    assert not np.array_equal(first["samples"]["values"], second["samples"]["values"], equal_nan=True)
+    counts = np.array(first["records"]["sample_count"])
+    numel = np.array(first["records"]["numel"])
+    assert np.array_equal(counts, np.minimum(numel, SIZE))
+    assert (numel > SIZE).any() and (numel <= SIZE).any()
+
+    row = find(first, "block.proj.weight/Parameter#0", "parameter", "parameter")
+    positions = first["samples"]["positions"][row]
+    assert np.array_equal(positions, sample_positions("block.proj.weight/Parameter#0", "parameter", 0, (4, 4), SIZE))
+    assert len(set(positions)) == SIZE and list(positions) == sorted(positions)
+    expected = params["block.proj.weight"].reshape(-1)[torch.from_numpy(positions)].double().numpy()
+    assert np.array_equal(first["samples"]["values"][row], expected)
+    small = find(first, "head.bias/Parameter#0", "parameter", "parameter")  # 2 elements: all, in order
+    assert list(first["samples"]["positions"][small][:2]) == [0, 1]
+    assert np.isnan(first["samples"]["values"][small][2:]).all()
+
+
+def test_positions_change_with_name_role_argument_and_shape():
+    base = sample_positions("m/Torch.add#0", "input", 0, (100,), SIZE)
+    assert np.array_equal(base, sample_positions("m/Torch.add#0", "input", 0, (100,), SIZE))
+    for other in (("m/Torch.add#1", "input", 0, (100,)), ("m/Torch.add#0", "output", 0, (100,)),
+                  ("m/Torch.add#0", "input", 1, (100,)), ("m/Torch.add#0", "input", 0, (10, 10))):
+        assert not np.array_equal(base, sample_positions(*other, SIZE))
