@@ -80,3 +80,25 @@ def test_statistics_of_all_nan_tensors():
     one = {k: np.array([1.0]) for k in ("min", "max", "mean", "norm")} | {"numel": np.array([4])}
     assert all(v[0] == 0 for v in stats_metrics(nan, nan).values())
     assert all(np.isinf(v[0]) for v in stats_metrics(one, nan).values())
+
+
+@pytest.mark.parametrize("filters", [dict(compression="gzip", shuffle=True), dict(compression="gzip"), {}],
+                         ids=["gzip+shuffle", "gzip", "uncompressed-chunked"])
+def test_compressed_hdf5_chunks_read_in_parallel_equal_in_memory(tmp_path, filters):
+    import h5py
+
+    from pi0align.compare.records import Bfloat16Array
+
+    rng = np.random.default_rng(1)
+    b = rng.standard_normal((300, 70)).astype(np.float32)  # not a multiple of the chunk shape: edge chunks
+    n = (b * (1 + 1e-3 * rng.standard_normal(b.shape))).astype(np.float32)
+    with h5py.File(tmp_path / "t.h5", "w") as f:
+        for name, value in (("b", b), ("n", n), ("b16", b.view(np.uint32) >> 16), ("n16", n.view(np.uint32) >> 16)):
+            f.create_dataset(name, data=value.astype(np.uint16) if "16" in name else value, chunks=(64, 32), **filters)
+    with h5py.File(tmp_path / "t.h5", "r") as f:
+        expected = tensor_metrics(b, n, workers=1)
+        for workers in (1, 3):
+            got = tensor_metrics(f["b"], f["n"], chunk_elements=5000, workers=workers)
+            assert got == pytest.approx(expected, rel=1e-9)
+        bf16 = tensor_metrics(Bfloat16Array(f["b16"]), Bfloat16Array(f["n16"]), workers=2)
+        assert bf16 == pytest.approx(tensor_metrics(Bfloat16Array(f["b16"][()]), Bfloat16Array(f["n16"][()])), rel=1e-9)

@@ -144,7 +144,7 @@ def _runs(tokens: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
 
 
 def _diff(a: list[int], b: list[int]) -> list[tuple[int, int]]:
-    """Matched positions of two token lists: common prefix and suffix directly, difflib between."""
+    """Matched positions of two token lists: common prefix and suffix directly, Myers between."""
     n, m = len(a), len(b)
     prefix = 0
     while prefix < min(n, m) and a[prefix] == b[prefix]:

@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from pi0align.compare.records import iter_flat_chunks
+from pi0align.compare.h5chunks import chunk_pairs
+from pi0align.compare.records import Bfloat16Array, iter_flat_chunks
 
 TENSOR_METRICS = ["cosine", "max_abs_err", "max_rel_err", "mean_rel_err", "rel_l2_err", "rmse",
                   "within_1e-3", "within_5e-3", "nan_inf_mismatch"]
@@ -78,9 +79,7 @@ class ErrorAccumulator:
 
 
 def _dot(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    # BLAS for long rows; einsum for short ones, where waking BLAS threads costs more than the work
-    if len(x) == 1 and x.shape[1] >= 1 << 16:
-        return np.array([np.dot(x[0], y[0])])
+    # einsum, not BLAS: between other work BLAS threads fall asleep, and waking them costs more
     return np.einsum("ij,ij->i", x, y)
 
 
@@ -97,9 +96,9 @@ def _partial_sums(a: np.ndarray, b: np.ndarray, scratch: dict, mask_nonfinite: b
             part["mismatch"] = ((nan_a != nan_b) | (~both & ~nan_a & ~nan_b & (a != b))).sum(-1)
         a, b = np.where(both, a, 0.0), np.where(both, b, 0.0)
         masked = (~both).sum(-1)  # masked positions count neither as elements nor as "within"
-    if scratch.get("shape") != a.shape:
-        scratch.update(shape=a.shape, d=np.empty(a.shape), rel=np.empty(a.shape), flag=np.empty(a.shape, bool))
-    d, rel, flag = scratch["d"], scratch["rel"], scratch["flag"]
+    if scratch.get("size", -1) < a.size:
+        scratch.update(size=a.size, d=np.empty(a.size), rel=np.empty(a.size), flag=np.empty(a.size, bool))
+    d, rel, flag = (scratch[k][:a.size].reshape(a.shape) for k in ("d", "rel", "flag"))
     with np.errstate(invalid="ignore", over="ignore"):
         np.subtract(b, a, out=d)
         part.update(n=a.shape[-1] - masked, ab=_dot(a, b), aa=_dot(a, a), bb=_dot(b, b), dd=_dot(d, d))
@@ -120,8 +119,58 @@ def _partial_sums(a: np.ndarray, b: np.ndarray, scratch: dict, mask_nonfinite: b
 
 def tensor_metrics(a: Any, b: Any, chunk_elements: int = CHUNK_ELEMENTS, workers: int = WORKERS) -> dict[str, float]:
     """Metrics of two same-shape array-likes (h5py datasets, memmaps), read chunk by chunk.
-    Large tensors are split in `workers` row ranges read and reduced in parallel threads: the
-    file reads serialize (h5py's lock) but the arithmetic, which releases the GIL, overlaps."""
+    Compressed HDF5 datasets are decoded by `workers` threads (h5chunks.py); other large arrays
+    are split in row ranges whose arithmetic, which releases the GIL, runs in parallel."""
+    accumulators = _reduce_stored_chunks(a, b, chunk_elements, workers)
+    if accumulators is None:
+        accumulators = _reduce_row_ranges(a, b, chunk_elements, workers)
+    total = accumulators[0]
+    for other in accumulators[1:]:
+        total.merge(other)
+    return {k: float(v[0]) for k, v in total.result().items()}
+
+
+def _reduce_stored_chunks(a: Any, b: Any, chunk_elements: int, workers: int) -> list[ErrorAccumulator] | None:
+    decode = Bfloat16Array.decode if isinstance(a, Bfloat16Array) else None
+    if isinstance(a, Bfloat16Array) != isinstance(b, Bfloat16Array):
+        return None
+    stored = chunk_pairs(a.bits, b.bits) if decode else chunk_pairs(a, b)
+    if stored is None:
+        return None
+    reader_a, reader_b, jobs = stored
+
+    chunk_size = int(np.prod(reader_a.chunks))
+
+    def reduce(part: list) -> ErrorAccumulator:
+        # small chunks are gathered into one reused float64 batch (fresh big arrays cost page faults)
+        acc, size = ErrorAccumulator(1), 0
+        batch = np.empty((2, max(chunk_elements, chunk_size) + chunk_size))
+        for i, (offset, where_a, where_b) in enumerate(part):
+            chunk_a, chunk_b = reader_a.read(offset, where_a), reader_b.read(offset, where_b)
+            if decode:
+                chunk_a, chunk_b = decode(chunk_a), decode(chunk_b)
+            n = chunk_a.size
+            np.copyto(batch[0, size:size + n], chunk_a.reshape(-1), casting="unsafe")
+            np.copyto(batch[1, size:size + n], chunk_b.reshape(-1), casting="unsafe")
+            size += n
+            if size >= chunk_elements or i == len(part) - 1:
+                acc.add(batch[0:1, :size], batch[1:2, :size])
+                size = 0
+        return acc
+
+    try:
+        count = max(1, min(workers, len(jobs)))
+        parts = [jobs[i * len(jobs) // count:(i + 1) * len(jobs) // count] for i in range(count)]
+        if len(parts) == 1:
+            return [reduce(parts[0])]
+        with ThreadPoolExecutor(len(parts)) as pool:
+            return list(pool.map(reduce, parts))
+    finally:
+        reader_a.close()
+        reader_b.close()
+
+
+def _reduce_row_ranges(a: Any, b: Any, chunk_elements: int, workers: int) -> list[ErrorAccumulator]:
     rows = a.shape[0] if len(a.shape) else 1
     per_row = max(1, int(np.prod(a.shape[1:], dtype=np.int64))) if len(a.shape) else 1
     parts = min(workers, max(1, rows * per_row // (4 * chunk_elements)), rows)
@@ -135,14 +184,9 @@ def tensor_metrics(a: Any, b: Any, chunk_elements: int = CHUNK_ELEMENTS, workers
 
     bounds = np.linspace(0, rows, parts + 1).astype(int)
     if parts == 1:
-        accumulators = [reduce(0, rows)]
-    else:
-        with ThreadPoolExecutor(parts) as pool:
-            accumulators = list(pool.map(reduce, bounds[:-1], bounds[1:]))
-    total = accumulators[0]
-    for other in accumulators[1:]:
-        total.merge(other)
-    return {k: float(v[0]) for k, v in total.result().items()}
+        return [reduce(0, rows)]
+    with ThreadPoolExecutor(parts) as pool:
+        return list(pool.map(reduce, bounds[:-1], bounds[1:]))
 
 
 class _RowRange:

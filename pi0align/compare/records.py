@@ -21,6 +21,7 @@ RECORD_COLUMNS = [
 
 INPUT_ROLES = ("input", "grad_output")  # what flows into a call (forward / backward)
 OUTPUT_ROLES = ("output", "grad_input")  # what flows out of it
+PARAMETER_ROLES = ("parameter", "parameter_grad")  # used by report
 
 # Frames from these packages are hook and dispatch machinery, not the user's call site.
 _MACHINERY = ("/torch/", "/msprobe/", "/pi0align/dump/", "/torch_npu/")
@@ -82,5 +83,8 @@ class Bfloat16Array:
         self.bits, self.shape = bits, bits.shape
 
     def __getitem__(self, index: Any) -> np.ndarray:
-        raw = np.asarray(self.bits[index], np.uint16)
-        return (raw.astype(np.uint32) << 16).view(np.float32)
+        return self.decode(self.bits[index])
+
+    @staticmethod
+    def decode(bits: Any) -> np.ndarray:
+        return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)

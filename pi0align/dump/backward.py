@@ -24,9 +24,9 @@ def input_edges(inputs: list[torch.Tensor]) -> list[tuple[int, object]]:
     return [(i, get_gradient_edge(x)) for i, x in enumerate(inputs) if x.requires_grad]
 
 
-def watch(outputs: list[torch.Tensor], edges: list[tuple[int, object]], sink: Sink) -> bool:
+def watch(outputs: list[torch.Tensor], edges: list[tuple[int, object]], sink: Sink) -> None:
     """Report each output's incoming gradient and, where the call's nodes lead straight to its
-    inputs, each input's outgoing gradient, to `sink` during backward. False if nothing to watch."""
+    inputs, each input's outgoing gradient, to `sink` during backward."""
     targets: dict[tuple, list[int]] = {}  # an input passed twice (x * x) has one edge, two args
     for i, edge in edges:
         targets.setdefault((id(edge.node), edge.output_nr), []).append(i)
@@ -38,7 +38,7 @@ def watch(outputs: list[torch.Tensor], edges: list[tuple[int, object]], sink: Si
             continue  # no gradient, or an input handed back unchanged: not this call's node
         per_node.setdefault(id(node), [node, [], []])[1].append((out.output_nr, arg))
     if not per_node:
-        return False
+        return
     frontier = [entry[0] for entry in per_node.values()] if edges else []
     seen = set(per_node)
     while frontier and len(seen) <= _MAX_NODES:
@@ -60,7 +60,6 @@ def watch(outputs: list[torch.Tensor], edges: list[tuple[int, object]], sink: Si
         per_node = {key: [node, outs, []] for key, (node, outs, _) in per_node.items() if outs}
     for node, outs, ins in per_node.values():
         node.register_hook(_node_hook(outs, ins, sink))
-    return True
 
 
 def _node_hook(outs: list, ins: list, sink: Sink):

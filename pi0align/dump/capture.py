@@ -16,7 +16,7 @@ from pi0align.dump.stacks import Stacks
 from pi0align.dump.steplog import Filter, StepLog
 
 LEVELS = ("api", "module", "mix")
-_BACKWARD = (torch.Tensor.backward, torch.autograd.backward)
+_BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 _quiet = torch._C.DisableTorchFunction  # the dumper's own tensor work is never captured
 
 
@@ -179,6 +179,7 @@ class Capture:
                 return self._run(func, args, kwargs)
             self.log.add_tensors(opened[0], opened[1], "input", inputs)
             edges = backward.input_edges(inputs) if torch.is_grad_enabled() else []
+            self.log.stats.drain()  # statistics still queued may be of the tensor about to change
             result = self._run(func, args, kwargs)
             outputs = flatten_tensors(result, []) or inputs[:1]
         else:
@@ -282,5 +283,6 @@ class _ApiMode(TorchFunctionMode):
         if func in _BACKWARD:
             result = func(*args, **kwargs)
             capture.after_backward = True
+            capture.log.stats.drain()  # clipping and the optimizer change gradients in place next
             return result
         return capture.api_call(func, api, args, kwargs)

@@ -14,7 +14,7 @@ import torch
 from pi0align.dump.capture import LEVELS, Capture
 from pi0align.dump.manifest import build_manifest
 from pi0align.dump.sampling import Sampler
-from pi0align.dump.stats import ChecksumWeights
+from pi0align.dump.stats import ChecksumWeights, StatsWorker
 from pi0align.dump.steplog import Filter, StepLog
 from pi0align.dump.writer import WRITE_ERRORS, DumpFile, TensorWriter
 from pi0align.errors import UserError
@@ -67,6 +67,9 @@ class Dumper:
         self._tensors_file: str | None = None
         self._capture: Capture | None = None
         self._weights = ChecksumWeights()
+        # CPU statistics on a second thread: only where every in-place call is seen (api, mix),
+        # since a queued tensor must not change before its statistics are taken.
+        self._worker = StatsWorker(self._weights) if level != "module" else None
         self._sampler = Sampler(sample_size) if mode == "sample" else None
         self._metrics: list[tuple] = []
         self._started = False
@@ -136,10 +139,14 @@ class Dumper:
         return self
 
     def __exit__(self, *exc) -> None:
+        """`stop()`, then end the dumper's threads: the dumper is done."""
         self.stop()
         if self._tensors is not None:
             self._tensors.close()
             self._tensors = None
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
 
     # ---- internals -----------------------------------------------------------------------------
 
@@ -173,7 +180,7 @@ class Dumper:
             if self._tensors is not None:
                 self._tensors_file = self._tensors.begin_step(self._step)
                 sink = self._tensors.put
-            self._capture.begin_step(StepLog(self._step, self._weights, self._sampler, sink))
+            self._capture.begin_step(StepLog(self._step, self._weights, self._sampler, sink, self._worker))
 
     def _uninstall(self) -> None:
         if self._capture is not None and self._capture.installed:

@@ -6,7 +6,7 @@ the step and direction, so an extra or fused call in one module never renames th
 
 from __future__ import annotations
 
-import importlib
+import sys
 from collections import Counter
 
 import torch
@@ -29,10 +29,8 @@ class ApiNames:
         self._names: dict[object, str | None] = {}
         # Most specific first: a function reachable from several namespaces takes the first name.
         namespaces = [("Tensor", torch.Tensor), ("Functional", F), ("Torch", torch)]
-        try:
-            namespaces.append(("NPU", importlib.import_module("torch_npu")))
-        except ImportError:
-            pass
+        if "torch_npu" in sys.modules:  # imported by the training script when it runs on an NPU
+            namespaces.append(("NPU", sys.modules["torch_npu"]))
         for prefix, namespace in namespaces:
             for attr in dir(namespace):
                 try:
@@ -86,7 +84,7 @@ class Namer:
 def is_inplace(api: str, kwargs: dict) -> bool:
     """Whether a call may write into one of its tensor arguments (their statistics come first)."""
     method = api.rsplit(".", 1)[-1]
-    if kwargs.get("out") is not None:
+    if kwargs.get("out") is not None or kwargs.get("inplace") is True:
         return True
     if method.startswith("__"):
         return method.startswith("__i") or method == "__setitem__"

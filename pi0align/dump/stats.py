@@ -3,12 +3,15 @@
 `StatsBatch.add` queues a handful of reductions per tensor and returns a slot; `collect` stacks
 every slot's results and copies them to the host in one transfer per device. Nothing here reads a
 value back per tensor on an accelerator; on the CPU, where reading a value costs nothing, one
-finiteness check picks the cheap unmasked path for the (usual) tensors without NaN or Inf.
+finiteness check picks the cheap unmasked path for the (usual) tensors without NaN or Inf, and
+a `StatsWorker` thread can take the work off the training thread.
 """
 
 from __future__ import annotations
 
 import math
+import queue
+import threading
 
 import numpy as np
 import torch
@@ -84,14 +87,89 @@ def _dot(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.sum(values * weights, dtype=values.dtype)
 
 
-class StatsBatch:
-    """Statistics of every tensor captured in one step, gathered on the device until `collect`."""
+def tensor_stats(tensor: torch.Tensor, weights: ChecksumWeights) -> tuple:
+    """(min, max, sum, sum of squares, NaN count or None, Inf count or None, checksum), 0-d
+    tensors on the tensor's device; the counts are None when known to be 0."""
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    acc = stats_dtype(flat.dtype)
+    values = flat if flat.dtype == acc else flat.to(acc)
+    lo, hi = values.amin(), values.amax()  # twice as fast as aminmax on the CPU
+    total = values.sum()
+    squares = torch.dot(values, values)
+    nan = inf = None
+    # A NaN or Inf anywhere makes the sums NaN or Inf. Reading them back is free on the CPU
+    # only; elsewhere the masked statistics are always computed, without a synchronisation.
+    if values.device.type != "cpu" or not math.isfinite(total.item() + squares.item()):
+        lo, hi, total, squares, nan, inf = _masked(values)
+    return lo, hi, total, squares, nan, inf, checksum(flat, weights)
+
+
+class StatsWorker:
+    """Computes the statistics of CPU tensors on a second thread while training goes on (torch
+    releases the GIL inside its kernels). Whoever may change a queued tensor in place, or needs
+    the results, calls `drain()` first."""
 
     def __init__(self, weights: ChecksumWeights) -> None:
         self._weights = weights
-        self._floats: list[torch.Tensor] = []  # 4 0-d tensors per slot: min, max, sum, sum of squares
-        self._counts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> (nan, inf); absent = 0
-        self._checksums: list[torch.Tensor] = []
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0
+        self._done = threading.Condition()
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, name="pi0align-dump-stats", daemon=True).start()
+
+    def submit(self, results: list, slot: int, tensor: torch.Tensor) -> None:
+        with self._done:
+            self._pending += 1
+        self._queue.put((results, slot, tensor))
+
+    def drain(self) -> None:
+        """Wait until every queued tensor has its statistics, computing queued ones meanwhile."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:  # close() came first: leave it for the thread
+                self._queue.put(None)
+                break
+            self._compute(item)
+        with self._done:
+            self._done.wait_for(lambda: self._pending == 0)
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        """End the thread once the queue is done."""
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._compute(item)
+
+    def _compute(self, item: tuple) -> None:
+        results, slot, tensor = item
+        try:
+            with torch._C.DisableTorchFunction():
+                results[slot] = tensor_stats(tensor, self._weights)
+        except BaseException as error:  # noqa: BLE001 - raised by drain() in the training thread
+            self._error = error
+        finally:
+            with self._done:
+                self._pending -= 1
+                self._done.notify_all()
+
+
+class StatsBatch:
+    """Statistics of every tensor captured in one step, gathered on the device until `collect`.
+    CPU tensors go to `worker` when one is given."""
+
+    def __init__(self, weights: ChecksumWeights, worker: StatsWorker | None = None) -> None:
+        self._weights = weights
+        self._worker = worker
+        self._results: list[tuple | None] = []  # per slot, see tensor_stats
         self._numel: list[int] = []
 
     def __len__(self) -> int:
@@ -100,36 +178,33 @@ class StatsBatch:
     def add(self, tensor: torch.Tensor) -> int:
         """Queue the statistics of a tensor that `skip_reason` accepts; returns its slot."""
         slot = len(self._numel)
-        flat = tensor.detach().reshape(-1)
-        if flat.dtype == torch.bool:
-            flat = flat.view(torch.uint8)
-        acc = stats_dtype(flat.dtype)
-        values = flat if flat.dtype == acc else flat.to(acc)
-        lo, hi = values.amin(), values.amax()  # twice as fast as aminmax on the CPU
-        total = values.sum()
-        squares = torch.dot(values, values)
-        # A NaN or Inf anywhere makes the sums NaN or Inf. Reading them back is free on the CPU
-        # only; elsewhere the masked statistics are always computed, without a synchronisation.
-        if values.device.type != "cpu" or not math.isfinite(total.item() + squares.item()):
-            lo, hi, total, squares, nan, inf = _masked(values)
-            self._counts[slot] = (nan, inf)
-        self._floats += (lo, hi, total, squares)
-        self._checksums.append(checksum(flat, self._weights))
-        self._numel.append(flat.numel())
+        self._numel.append(tensor.numel())
+        self._results.append(None)
+        if self._worker is not None and tensor.device.type == "cpu":
+            self._worker.submit(self._results, slot, tensor)
+        else:
+            self._results[slot] = tensor_stats(tensor, self._weights)
         return slot
+
+    def drain(self) -> None:
+        """Wait for the statistics queued so far (a queued tensor is about to change)."""
+        if self._worker is not None:
+            self._worker.drain()
 
     def collect(self) -> tuple[np.ndarray, np.ndarray]:
         """(float64 [n, 4] min/max/mean/norm, int64 [n, 3] nan/inf/checksum), one copy per device."""
+        self.drain()
         n = len(self)
         floats = np.full((n, 4), np.nan)
         ints = np.zeros((n, 3), dtype=np.int64)
         if not n:
             return floats, ints
-        floats[:] = _stack_to_host(self._floats).reshape(n, 4)
-        ints[:, 2] = _stack_to_host(self._checksums)
-        if self._counts:
-            slots = list(self._counts)
-            ints[slots, :2] = _stack_to_host([c for s in slots for c in self._counts[s]]).reshape(-1, 2)
+        floats[:] = _stack_to_host([value for r in self._results for value in r[:4]]).reshape(n, 4)
+        ints[:, 2] = _stack_to_host([r[6] for r in self._results])
+        counted = [slot for slot, r in enumerate(self._results) if r[4] is not None]
+        if counted:
+            counts = [count for slot in counted for count in self._results[slot][4:6]]
+            ints[counted, :2] = _stack_to_host(counts).reshape(-1, 2)
         finite = np.array(self._numel, dtype=np.float64) - ints[:, 0] - ints[:, 1]
         with np.errstate(invalid="ignore", divide="ignore"):
             floats[:, 2] /= finite

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from pi0align.dump.sampling import Sampler
-from pi0align.dump.stats import ChecksumWeights, StatsBatch, skip_reason
+from pi0align.dump.stats import ChecksumWeights, StatsBatch, StatsWorker, skip_reason
 
 CALL_COLUMNS = ("seq", "name", "module", "api", "direction", "stack_id", "args")
 _ROLE_ORDER = {"input": 0, "output": 1, "grad_output": 2, "grad_input": 3, "parameter": 4, "parameter_grad": 5}
@@ -67,13 +67,14 @@ class StepLog:
     weights: ChecksumWeights
     sampler: Sampler | None
     tensor_sink: object | None  # callable(torch.Tensor) -> str, or None
+    worker: StatsWorker | None = None
     calls: list[tuple] = field(default_factory=list)
     records: list[list] = field(default_factory=list)  # RECORD_COLUMNS + [slot, sample row]
     seen: dict[tuple, _Seen] = field(default_factory=dict)  # _elements_key -> what to reuse
     stats: StatsBatch = None
 
     def __post_init__(self) -> None:
-        self.stats = StatsBatch(self.weights)
+        self.stats = StatsBatch(self.weights, self.worker)
 
     def open_call(self, name: str, module: str, api: str, direction: str, stack_id: int, args: str) -> int:
         self.calls.append((len(self.calls), name, module, api, direction, stack_id, args))
