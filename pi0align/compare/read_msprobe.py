@@ -9,13 +9,14 @@ formats align the same way and an msprobe dump compares against one of ours.
 
 from __future__ import annotations
 
-import json
+import functools
 import math
 import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import pandas as pd
 
 from pi0align.compare.records import RECORD_COLUMNS, Dump, call_site
@@ -64,9 +65,8 @@ def _step_folders(path: Path) -> list[tuple[int, int, Path]]:
 
 def _load_json(path: Path) -> Any:
     try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
-    except (OSError, json.JSONDecodeError) as error:
+        return orjson.loads(path.read_bytes())  # 2-3x faster than json on msprobe's large dump.json
+    except (OSError, orjson.JSONDecodeError) as error:
         raise UserError(f"{path}: cannot read msprobe JSON ({error})") from None
 
 
@@ -115,10 +115,16 @@ def _read_stacks(path: Path) -> dict[str, list[str]]:
             names, frames = value  # newer: {"0": [[call keys], [frames]]}
         else:
             names, frames = [key], value  # older: {call key: [frames]}
-        parsed = [_frame(f) for f in reversed(frames)]  # msprobe lists innermost first
+        parsed = _frames(tuple(frames))
         for name in names:
             result[name] = parsed
     return result
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _frames(raw: tuple[str, ...]) -> list[str]:
+    """msprobe's frames ("File f, line n, in func, \\n code", innermost first) -> ours, innermost last."""
+    return [_frame(f) for f in reversed(raw)]
 
 
 def _frame(text: str) -> str:
@@ -143,10 +149,17 @@ def _tensors(value: Any) -> list[dict]:
     if isinstance(value, dict):
         if "dtype" in value and "shape" in value:
             return [value] if str(value.get("type", "torch.Tensor")).endswith("Tensor") else []
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
+        value = list(value.values())
+    if not isinstance(value, (list, tuple)):
+        return []
+    found = []
+    for item in value:
+        if type(item) is dict and "shape" in item and "dtype" in item:  # the common case, inline
+            if str(item.get("type", "torch.Tensor")).endswith("Tensor"):
+                found.append(item)
+        else:
+            found.extend(_tensors(item))
+    return found
 
 
 def _number(value: Any) -> float:

@@ -7,6 +7,7 @@ bounded however large the dump.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -46,15 +47,20 @@ class Dump:
     close: Callable[[], None] = lambda: None
 
 
-def user_frames(frames: list[str]) -> list[str]:
+def user_frames(frames: list[str] | tuple[str, ...]) -> list[str]:
     """The frames that are user code rather than hook machinery (all of them when none is)."""
-    kept = [frame for frame in frames if not any(part in frame for part in _MACHINERY)]
-    return kept or list(frames)
+    return list(_user_frames(tuple(frames)))
 
 
-def call_site(frames: list[str]) -> str:
+@functools.lru_cache(maxsize=1 << 16)  # many calls share one call site
+def _user_frames(frames: tuple[str, ...]) -> tuple[str, ...]:
+    kept = tuple(frame for frame in frames if not any(part in frame for part in _MACHINERY))
+    return kept or frames
+
+
+def call_site(frames: list[str] | tuple[str, ...]) -> str:
     """The innermost user frame ("" when there are no frames)."""
-    kept = user_frames(frames)
+    kept = _user_frames(tuple(frames))
     return kept[-1] if kept else ""
 
 
