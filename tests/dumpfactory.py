@@ -9,6 +9,10 @@ way it would in a real network. Typical use:
     steps_b = run_toy_model(seed=0, fault=Fault("model.layers.1.linear/Functional.linear#0"))
     write_dump(tmp_path / "b.h5", steps_b, mode="stats")
 
+Also: default_manifest(**overrides), Fault(name, direction, scale, noise), checksum(array),
+sample_positions(...), and write_msprobe_dump(out, task=..., scale=...) for a real msprobe dump
+of a small torch MLP (needs mindstudio-probe; runs in a child process).
+
 Calls per step (forward, then backward in reverse, then parameters):
     model.layers.<i>.linear/Functional.linear#0   inputs x, W, b -> y
     model.layers.<i>/Torch.tanh#0                 y -> h

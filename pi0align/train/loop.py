@@ -6,6 +6,7 @@ preset's norm, PI0's pre/post-processors, a shuffled loader that drops the last 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from datetime import datetime
@@ -48,33 +49,35 @@ def train(config: TrainConfig, dumper=None, resume_from: Path | None = None) -> 
     batches = iter(_make_loader(config, components["dataset"], start_step, device))
     log = MetricsLog(out / "train_log.jsonl", keep_before=start_step)
     grad_clip_norm = policy.config.optimizer_grad_clip_norm
-    if dumper is not None:
-        dumper.start(policy, manifest=manifest)
 
     loop_started = time.perf_counter()
-    with ProgressDisplay(config.steps, start_step, enabled=config.progress) as progress:
+    # Leaving the dumper's context ends its writer threads, also when training fails.
+    with ProgressDisplay(config.steps, start_step, enabled=config.progress) as progress, \
+            (dumper if dumper is not None else contextlib.nullcontext()):
         for step in range(start_step, config.steps):
             step_started = time.perf_counter()
-            batch = components["preprocessor"](next(batches))
+            raw_batch = next(batches)
             data_time = time.perf_counter() - step_started
+            if dumper is not None:  # around the step only: reading the dataset is not the model's work
+                dumper.start(policy, step=step, manifest=manifest)
             lr = optimizer.param_groups[0]["lr"]
-            loss, grad_norm = train_step(policy, batch, optimizer, scheduler, grad_clip_norm)
+            loss, grad_norm = train_step(policy, components["preprocessor"](raw_batch), optimizer, scheduler,
+                                         grad_clip_norm)
+            if dumper is not None:
+                dumper.record_metrics(step, loss=loss, grad_norm=grad_norm, lr=lr)
+                dumper.stop()
+                dumper.step()
             device.synchronize()
             step_time = time.perf_counter() - step_started
             record = log.write(step=step, loss=loss, grad_norm=grad_norm, lr=lr, step_time_s=step_time,
                                data_time_s=data_time, samples_per_s=config.batch_size / step_time,
                                time_s=time.perf_counter() - loop_started)
-            if dumper is not None:
-                dumper.record_metrics(step, loss=loss, grad_norm=grad_norm, lr=lr)
-                dumper.step()
             progress.update(record, log_line=config.log_every > 0 and (step + 1) % config.log_every == 0)
             steps_done = step + 1
             if steps_done == config.steps or (config.save_every and steps_done % config.save_every == 0):
                 checkpoint.save(out, steps_done, policy=policy, optimizer=optimizer, scheduler=scheduler,
                                 config=config, device=device)
 
-    if dumper is not None:
-        dumper.stop()
     summary = summarize(log.records, batch_size=config.batch_size, e2e_seconds=time.perf_counter() - started)
     summary |= {"out": str(out), "device": device.type, "seed": config.seed, "seed_impl": manifest["seed_impl"],
                 "parameter_count": manifest["parameter_count"],
