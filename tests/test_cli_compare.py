@@ -95,14 +95,29 @@ def test_calibrated_thresholds_keep_the_same_run_aligned(dumps, tmp_path, capsys
     assert json.loads((tmp_path / "summary.json").read_text())["verdict"] == "aligned"
 
 
+def test_threshold_overrides_win_over_calibration(dumps, tmp_path):
+    main(["compare", str(dumps["gpu"]), str(dumps["same"]), "--calibrate", str(dumps["gpu"]), str(dumps["same"]),
+          "--threshold", "fp32.rel_l2_err=0.125", "--json", str(tmp_path / "summary.json"), "--no-html"])
+    thresholds = json.loads((tmp_path / "summary.json").read_text())["thresholds"]
+    assert thresholds["float32"]["rel_l2_err"] == 0.125
+    assert thresholds["float32"]["norm_rel_err"] != load_default("float32", "norm_rel_err")  # calibrated
+
+
+def load_default(dtype: str, metric: str) -> float:
+    from pi0align.compare import load_thresholds
+
+    return load_thresholds()[dtype][metric]
+
+
 @pytest.mark.parametrize("arguments, message", [
     (["{missing}", "{gpu}"], "missing.h5"),
     (["{corrupt}", "{gpu}"], "corrupt.h5"),
     (["{gpu}", "{fault}", "--threshold", "fp32.no_such_metric=1"], "no_such_metric"),
     (["{gpu}", "{fault}", "--thresholds", "{missing}"], "missing.h5"),
-    (["{gpu}", "{fault}", "--calibrate", "{gpu}", "{same}", "--threshold", "fp32.cosine=0.9"], "--calibrate"),
+    (["{gpu}", "{fault}", "--calibrate", "{gpu}", "{missing}"], "missing.h5"),
     (["{gpu}", "{fault}", "--json", "{corrupt}/summary.json"], "summary.json"),
     (["{gpu}", "{fault}", "--steps", "three"], "steps"),
+    (["{gpu}", "{fault}", "--steps", "7-9"], "none of the steps asked for (7, 8, 9)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(dumps, tmp_path, arguments, message):
     paths = {name: str(path) for name, path in dumps.items()} | {"missing": str(tmp_path / "missing.h5")}

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="override one threshold, e.g. fp32.rel_l2_err=1e-5 (repeatable; wins over --thresholds)")
     judging.add_argument("--calibrate", metavar=("A1", "A2"), nargs=2,
                          help="thresholds from the noise floor of two same-seed runs on one device "
-                              "(instead of --thresholds/--threshold)")
+                              "(over --thresholds; --threshold still wins)")
     parser.add_argument("--steps", type=parse_steps,
                         help="compare only these steps, e.g. 0,3,5-7 (default: every step both dumps hold)")
 
@@ -61,17 +61,16 @@ def main(args: argparse.Namespace) -> int:
         raise UserError("--top must be 0 or more")
     if args.html and args.no_html:
         raise UserError("--html and --no-html contradict each other; give one")
-    if args.calibrate and (args.thresholds or args.threshold):
-        # calibrate() starts from the defaults; layering a file or overrides on it needs a base in load_thresholds
-        raise UserError("--calibrate cannot be combined with --thresholds or --threshold yet; give one of them")
     if not args.no_html:
         plotly_js()  # a missing plotly is said now, not after a long compare
     console, status = Console(), Console(stderr=True)
+    # Precedence, lowest first: defaults, --thresholds FILE, --calibrate, --threshold overrides.
+    overrides = parse_overrides(args.threshold)
+    thresholds = load_thresholds(args.thresholds)
     if args.calibrate:
         status.print("calibrating thresholds from the noise floor of " + " and ".join(args.calibrate), highlight=False)
-        thresholds = calibrate(*args.calibrate, steps=args.steps)
-    else:
-        thresholds = load_thresholds(args.thresholds, parse_overrides(args.threshold))
+        thresholds = calibrate(*args.calibrate, steps=args.steps, base=thresholds)
+    thresholds = load_thresholds(None, overrides, base=thresholds)
     with progress_bar(status, "comparing") as progress:
         comparison = compare_dumps(args.dump_a, args.dump_b, thresholds=thresholds, steps=args.steps,
                                    progress=progress)

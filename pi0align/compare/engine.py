@@ -42,6 +42,11 @@ def compare_dumps(path_a: str | Path, path_b: str | Path, *, thresholds: dict | 
     try:
         if set(runs_a) != set(runs_b):
             raise UserError(f"the runs have different ranks: {sorted(runs_a)} in {path_a}, {sorted(runs_b)} in {path_b}")
+        if wanted is not None:
+            for path, runs in ((path_a, runs_a), (path_b, runs_b)):
+                if all(run.records.empty for run in runs.values()):
+                    listed = ", ".join(map(str, sorted(wanted)[:10]))
+                    raise UserError(f"{path} holds none of the steps asked for ({listed})")
         tracker = _Tracker(progress, sum(_work(runs_a[r], runs_b[r]) for r in runs_a))
         parts = [_compare_rank(runs_a[r], runs_b[r], tracker) for r in sorted(runs_a)]
         return _conclude(parts, runs_a, runs_b, thresholds, str(path_a), str(path_b))

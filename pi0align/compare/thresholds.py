@@ -73,10 +73,12 @@ def looser_classes(dtypes_a, dtypes_b) -> np.ndarray:
     return np.array([table[pair] for pair in zip(a.tolist(), b.tolist())], dtype=object)
 
 
-def load_thresholds(path: str | Path | None = None, overrides: dict[str, float | str] | None = None) -> dict:
-    """Defaults, updated from a JSON or TOML file ({dtype: {metric: value}}), then from overrides
-    {"dtype.metric": value} (e.g. {"fp32.rel_l2_err": 1e-5}). Bad input raises UserError."""
-    thresholds = copy.deepcopy(DEFAULT_THRESHOLDS)
+def load_thresholds(path: str | Path | None = None, overrides: dict[str, float | str] | None = None,
+                    base: dict | None = None) -> dict:
+    """`base` (the defaults when None), updated from a JSON or TOML file ({dtype: {metric: value}}),
+    then from overrides {"dtype.metric": value} (e.g. {"fp32.rel_l2_err": 1e-5}). Bad input raises
+    UserError."""
+    thresholds = copy.deepcopy(DEFAULT_THRESHOLDS if base is None else base)
     if path is not None:
         for dtype, limits in _read_file(Path(path)).items():
             if not isinstance(limits, dict):
