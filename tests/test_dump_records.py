@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import h5py
-import numpy as np
 import pytest
 import torch
 

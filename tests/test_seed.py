@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import random
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from conftest import REPO

@@ -79,7 +79,7 @@ def _pair_calls(calls_a: pd.DataFrame, calls_b: pd.DataFrame) -> pd.DataFrame:
     groups_b = calls_b.groupby(keys, sort=False).indices
     col = {side: {c: df[c].to_numpy() for c in ("call", "name", "code", "api_code", "norms")}
            for side, df in (("a", calls_a), ("b", calls_b))}
-    steps_a, steps_b = calls_a["step"].to_numpy(), calls_b["step"].to_numpy()
+    steps_a = calls_a["step"].to_numpy()
     out_step, out_a, out_b, out_label = [], [], [], []
     for key, idx_a in groups_a.items():
         idx_b = groups_b.get(key)

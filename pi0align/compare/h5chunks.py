@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import Any, Iterator
+from typing import Any
 
 import h5py
 import numpy as np

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from pi0align.dump.capture import LEVELS, Capture
+from pi0align.dump.kernel import KERNEL
 from pi0align.dump.manifest import build_manifest
 from pi0align.dump.sampling import Sampler
 from pi0align.dump.stats import ChecksumWeights, StatsWorker
@@ -154,6 +155,7 @@ class Dumper:
         attrs = {
             "rank": self._rank, "world_size": self._world_size, "mode": self.mode, "level": self.level,
             "sample_size": self.sample_size if self.mode == "sample" else 0,
+            "cpu_stats": KERNEL.load(),  # built now, not inside the first dumped step
         }
         manifest = build_manifest(self._model, self._rank, self._world_size, self._manifest)
         try:

@@ -3,39 +3,14 @@ completed by what the caller knows (seed, config, dataset) through `Dumper(manif
 
 from __future__ import annotations
 
-import hashlib
 import platform
 import sys
-from importlib import metadata
 
 import torch
 
-_PACKAGES = {
-    "torch": "torch", "torch_npu": "torch-npu", "transformers": "transformers", "lerobot": "lerobot",
-    "deepspeed": "deepspeed", "accelerate": "accelerate", "msprobe": "mindstudio-probe",
-}
+from pi0align.provenance import versions, weights_sha256
+
 _KEYS = ("seed", "seed_impl", "config", "dataset_fingerprint", "git_commit")
-
-
-def versions() -> dict[str, str | None]:
-    found = {"python": platform.python_version()}
-    for key, distribution in _PACKAGES.items():
-        try:
-            found[key] = metadata.version(distribution)
-        except metadata.PackageNotFoundError:
-            found[key] = None
-    return found
-
-
-def weights_sha256(model: torch.nn.Module) -> str:
-    """SHA-256 over the state dict (names, dtypes, shapes and raw bytes, in key order)."""
-    digest = hashlib.sha256()
-    with torch._C.DisableTorchFunction():
-        for name, tensor in sorted(model.state_dict().items()):
-            digest.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}".encode())
-            host = tensor.detach().to("cpu").contiguous()
-            digest.update(host.reshape(-1).view(torch.uint8).numpy().tobytes() if host.numel() else b"")
-    return digest.hexdigest()
 
 
 def build_manifest(model: torch.nn.Module | None, rank: int, world_size: int, given: dict | None) -> dict:
@@ -55,7 +30,6 @@ def build_manifest(model: torch.nn.Module | None, rank: int, world_size: int, gi
         "argv": sys.argv,
         **{key: None for key in _KEYS},
     }
-    manifest["versions"]["cann"] = None
     given = dict(given or {})
     given_versions = given.pop("versions", None) or {}
     manifest.update(given)

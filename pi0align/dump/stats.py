@@ -2,9 +2,10 @@
 
 `StatsBatch.add` queues a handful of reductions per tensor and returns a slot; `collect` stacks
 every slot's results and copies them to the host in one transfer per device. Nothing here reads a
-value back per tensor on an accelerator; on the CPU, where reading a value costs nothing, one
-finiteness check picks the cheap unmasked path for the (usual) tensors without NaN or Inf, and
-a `StatsWorker` thread can take the work off the training thread.
+value back per tensor on an accelerator. On the CPU the fused kernel (`kernel.py`) reads each
+tensor once and returns host values; where it cannot run, torch ops do the work, one finiteness
+check picking the cheap unmasked path for the (usual) tensors without NaN or Inf. A `StatsWorker`
+thread can take the CPU work off the training thread.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import threading
 
 import numpy as np
 import torch
+
+from pi0align.dump.kernel import KERNEL
 
 _COLUMNS = 4096  # the checksum's matrix view: any width gives the same checksum; this one is fastest on CPU
 _BITS_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -88,8 +91,15 @@ def _dot(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_stats(tensor: torch.Tensor, weights: ChecksumWeights) -> tuple:
-    """(min, max, sum, sum of squares, NaN count or None, Inf count or None, checksum), 0-d
-    tensors on the tensor's device; the counts are None when known to be 0."""
+    """(min, max, sum, sum of squares, NaN count, Inf count, checksum): Python numbers from the
+    fused CPU kernel, else 0-d tensors on the tensor's device with the counts None when known to be 0."""
+    if KERNEL.supports(tensor):
+        return KERNEL.stats(tensor)
+    return torch_stats(tensor, weights)
+
+
+def torch_stats(tensor: torch.Tensor, weights: ChecksumWeights) -> tuple:
+    """`tensor_stats` in torch ops on the tensor's device (accelerators, and the CPU without the kernel)."""
     flat = tensor.detach().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
@@ -197,14 +207,19 @@ class StatsBatch:
         n = len(self)
         floats = np.full((n, 4), np.nan)
         ints = np.zeros((n, 3), dtype=np.int64)
-        if not n:
-            return floats, ints
-        floats[:] = _stack_to_host([value for r in self._results for value in r[:4]]).reshape(n, 4)
-        ints[:, 2] = _stack_to_host([r[6] for r in self._results])
-        counted = [slot for slot, r in enumerate(self._results) if r[4] is not None]
-        if counted:
-            counts = [count for slot in counted for count in self._results[slot][4:6]]
-            ints[counted, :2] = _stack_to_host(counts).reshape(-1, 2)
+        on_host = [slot for slot, r in enumerate(self._results) if not isinstance(r[0], torch.Tensor)]
+        if on_host:
+            floats[on_host] = [self._results[slot][:4] for slot in on_host]
+            ints[on_host] = np.array([self._results[slot][4:] for slot in on_host], dtype=np.int64)
+        on_device = [slot for slot, r in enumerate(self._results) if isinstance(r[0], torch.Tensor)]
+        if on_device:
+            results = [self._results[slot] for slot in on_device]
+            floats[on_device] = _stack_to_host([value for r in results for value in r[:4]]).reshape(-1, 4)
+            ints[on_device, 2] = _stack_to_host([r[6] for r in results])
+            counted = [slot for slot in on_device if self._results[slot][4] is not None]
+            if counted:
+                counts = [count for slot in counted for count in self._results[slot][4:6]]
+                ints[counted, :2] = _stack_to_host(counts).reshape(-1, 2)
         finite = np.array(self._numel, dtype=np.float64) - ints[:, 0] - ints[:, 1]
         with np.errstate(invalid="ignore", divide="ignore"):
             floats[:, 2] /= finite

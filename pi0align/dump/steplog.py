@@ -3,6 +3,7 @@ statistics, samples and tensor copies that the records point to."""
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -44,6 +45,16 @@ def _elements_key(tensor: torch.Tensor) -> tuple:
     if tensor.is_contiguous():
         return tensor.data_ptr(), tensor.dtype, tensor.numel(), tensor._version
     return tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor._version
+
+
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@functools.lru_cache(maxsize=65536)  # a model has a few hundred distinct shapes: formatted once each
+def _shape_json(shape: tuple) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"  # json.dumps(list(shape)), faster
 
 
 class Filter:
@@ -105,9 +116,8 @@ class StepLog:
                 self.seen[key] = _Seen(weakref.ref(tensor), slot, shape, path)
             if self.sampler is not None:
                 sample_row = self.sampler.add(tensor, name, role, arg_index)
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        shape_json = "[" + ", ".join(map(str, shape)) + "]"  # json.dumps(list(shape)), faster
-        row = [call_id, role, arg_index, dtype, shape_json, tensor.numel(), path, skipped, slot, sample_row]
+        row = [call_id, role, arg_index, _dtype_name(tensor.dtype), _shape_json(shape), tensor.numel(), path, skipped,
+               slot, sample_row]
         self.records.append(row)
         return row  # its call_id may be set later (parameters get their call row at the step's end)
 

@@ -2,48 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
-import platform
-import subprocess
 from pathlib import Path
 
 import torch
 
-from pi0align import __version__
-from pi0align.device import Device, cann_version, optional_version
-
-VERSIONED_DISTRIBUTIONS = {
-    "torch": "torch", "torch_npu": "torch-npu", "transformers": "transformers", "lerobot": "lerobot",
-    "deepspeed": "deepspeed", "accelerate": "accelerate", "msprobe": "mindstudio-probe",
-    "torchvision": "torchvision", "numpy": "numpy",
-}
-
-
-def versions() -> dict[str, str | None]:
-    found = {name: optional_version(distribution) for name, distribution in VERSIONED_DISTRIBUTIONS.items()}
-    return {"python": platform.python_version(), "pi0align": __version__, "cann": cann_version(), **found}
-
-
-def weights_sha256(model: torch.nn.Module) -> str:
-    """SHA-256 over every parameter and buffer: name, dtype, shape and raw bytes, in name order."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def git_commit() -> str | None:
-    """The project's commit, with "+dirty" when the working tree has changes; None outside git."""
-    source = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return commit + ("+dirty" if dirty else "")
+from pi0align.device import Device
+from pi0align.provenance import git_commit, versions, weights_sha256
 
 
 def build_manifest(*, config, device: Device, seed_impl: str, transformers_compat: str, policy, parameter_count: int,

@@ -1,0 +1,52 @@
+"""Where a run came from: library versions, the initial weights' hash, the project's commit.
+
+Shared by the training manifest and the dumper's (which also serves users' own training scripts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from pi0align import __version__
+from pi0align.device import cann_version, optional_version
+
+VERSIONED_DISTRIBUTIONS = {
+    "torch": "torch", "torch_npu": "torch-npu", "transformers": "transformers", "lerobot": "lerobot",
+    "deepspeed": "deepspeed", "accelerate": "accelerate", "msprobe": "mindstudio-probe",
+    "torchvision": "torchvision", "numpy": "numpy",
+}
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of python, pi0align, CANN and the libraries that change numerics; None when absent."""
+    found = {name: optional_version(distribution) for name, distribution in VERSIONED_DISTRIBUTIONS.items()}
+    return {"python": platform.python_version(), "pi0align": __version__, "cann": cann_version(), **found}
+
+
+def weights_sha256(model: torch.nn.Module) -> str:
+    """SHA-256 over every parameter and buffer: name, dtype, shape and raw bytes, in name order."""
+    digest = hashlib.sha256()
+    with torch._C.DisableTorchFunction():  # never seen by a dumper that may be capturing
+        for name, tensor in sorted(model.state_dict().items()):
+            digest.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}".encode())
+            host = tensor.detach().to("cpu").contiguous()
+            digest.update(host.reshape(-1).view(torch.uint8).numpy().tobytes() if host.numel() else b"")
+    return digest.hexdigest()
+
+
+def git_commit() -> str | None:
+    """The project's commit, with "+dirty" when tracked files have changes; None outside git."""
+    source = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+dirty" if dirty else "")

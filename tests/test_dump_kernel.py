@@ -1,0 +1,106 @@
+"""The fused CPU statistics kernel gives what the torch-op path gives (the format's statistics and
+checksum), on every dtype it takes, on views read in place, with NaN and Inf; without a compiler
+the dumper falls back to torch ops and says so."""
+
+from __future__ import annotations
+
+import math
+
+import h5py
+import pytest
+import torch
+from dump_helpers import reference_checksum
+
+from pi0align import Dumper
+from pi0align.dump.kernel import KERNEL, Kernel
+from pi0align.dump.stats import ChecksumWeights, torch_stats
+
+pytestmark = pytest.mark.skipif(KERNEL.load() != "fused", reason=f"no fused kernel here ({KERNEL.status})")
+
+
+def as_numbers(result: tuple) -> tuple:
+    return tuple(0 if v is None else (v.item() if isinstance(v, torch.Tensor) else v) for v in result)
+
+
+def assert_same_as_torch(x: torch.Tensor) -> None:
+    fused = KERNEL.stats(x)
+    reference = as_numbers(torch_stats(x, ChecksumWeights()))
+    assert fused[4:] == reference[4:]  # NaN count, Inf count, checksum: exact
+    assert fused[:2] == reference[:2]  # min and max: exact in any order
+    assert fused[2:4] == pytest.approx(reference[2:4], rel=1e-5, abs=1e-6)  # sums: the order differs
+
+
+def values(dtype: torch.dtype, numel: int, special: bool) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(numel)
+    if dtype == torch.bool:
+        return torch.rand(numel, generator=generator) > 0.5
+    if not dtype.is_floating_point:
+        low = 0 if dtype == torch.uint8 else -100
+        return torch.randint(low, 100, (numel,), generator=generator, dtype=dtype)
+    x = (torch.randn(numel, generator=generator, dtype=torch.float64) * 100).to(dtype)
+    if special:
+        x[numel // 3], x[numel // 2], x[-1] = math.nan, math.inf, -math.inf
+    return x
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("numel", [1, 7, 4097, 100_003])
+def test_fused_statistics_equal_the_torch_path(dtype, numel):
+    assert_same_as_torch(values(dtype, numel, special=False))
+    if dtype.is_floating_point and numel > 3:
+        assert_same_as_torch(values(dtype, numel, special=True))
+
+
+def test_checksum_follows_the_format_on_small_tensors():
+    for dtype in DTYPES:
+        x = values(dtype, 300, special=dtype.is_floating_point)
+        assert KERNEL.stats(x)[6] == reference_checksum(x)
+
+
+def test_every_float16_value_converts_exactly():
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    finite = x.double()[torch.isfinite(x)]
+    lo, hi, total, _, nan, inf, _ = KERNEL.stats(x)
+    assert (lo, hi, total, nan, inf) == (finite.min().item(), finite.max().item(), finite.sum().item(), 2046, 2)
+
+
+@pytest.mark.parametrize("view", [
+    lambda b: b.permute(3, 1, 0, 2), lambda b: b.transpose(0, 1), lambda b: b[:, ::2], lambda b: b[..., 1],
+    lambda b: b[:, :, None].expand(6, 5, 7, 4, 3), lambda b: b.flatten(1).t(), lambda b: b.permute(2, 0, 3, 1)[1:, :, ::2],
+    lambda b: b[0, 0, 0, :1].expand(4, 4), lambda b: b.to(torch.bfloat16).transpose(1, 3),
+])
+def test_views_are_read_in_place_with_row_major_positions(view):
+    base = torch.randn(6, 5, 4, 3, generator=torch.Generator().manual_seed(0))
+    x = view(base)
+    assert_same_as_torch(x)
+    assert KERNEL.stats(x)[6] == reference_checksum(x)
+    with_nan = x.clone().transpose(0, -1).contiguous().transpose(0, -1)  # non-contiguous again
+    with_nan[(0,) * x.dim()] = math.nan
+    assert_same_as_torch(with_nan)
+
+
+def test_empty_tensor():
+    assert KERNEL.stats(torch.empty(0)) == (math.inf, -math.inf, 0.0, 0.0, 0, 0, 0)
+
+
+def test_without_a_compiler_the_torch_path_runs_and_the_file_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("PI0ALIGN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    kernel = Kernel()
+    monkeypatch.setattr("pi0align.dump.stats.KERNEL", kernel)
+    monkeypatch.setattr("pi0align.dump.dumper.KERNEL", kernel)
+    x = torch.tensor([1.0, -2.0, math.nan])
+    with Dumper(tmp_path / "dump", steps=[0], level="api") as dumper:
+        dumper.start()
+        x * 2
+        dumper.step()
+    assert kernel.status.startswith("torch ops:") and not kernel.supports(x)
+    with h5py.File(dumper.file, "r") as f:
+        assert f.attrs["cpu_stats"] == kernel.status
+        records = f["steps/000000/records"]
+        assert (records["min"][0], records["max"][0], records["nan_count"][0]) == (-2.0, 1.0, 1)
+        assert records["checksum"][0] == reference_checksum(x)
