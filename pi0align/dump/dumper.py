@@ -69,8 +69,10 @@ class Dumper:
         self._capture: Capture | None = None
         self._weights = ChecksumWeights()
         # CPU statistics on a second thread: only where every in-place call is seen (api, mix),
-        # since a queued tensor must not change before its statistics are taken.
-        self._worker = StatsWorker(self._weights) if level != "module" else None
+        # since a queued tensor must not change before its statistics are taken, and only on the
+        # torch-op path: the fused kernel costs less than the thread's GIL hand-offs (measured).
+        threaded = level != "module" and KERNEL.load() != "fused"
+        self._worker = StatsWorker(self._weights) if threaded else None
         self._sampler = Sampler(sample_size) if mode == "sample" else None
         self._metrics: list[tuple] = []
         self._started = False
@@ -155,7 +157,7 @@ class Dumper:
         attrs = {
             "rank": self._rank, "world_size": self._world_size, "mode": self.mode, "level": self.level,
             "sample_size": self.sample_size if self.mode == "sample" else 0,
-            "cpu_stats": KERNEL.load(),  # built now, not inside the first dumped step
+            "cpu_stats": KERNEL.status,
         }
         manifest = build_manifest(self._model, self._rank, self._world_size, self._manifest)
         try:

@@ -185,7 +185,7 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fP
 
 
 class Kernel:
-    """The compiled kernel, loaded on the first `stats` call (or `load`)."""
+    """The compiled kernel, loaded by the first `supports` (or `load`) call."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -212,7 +212,7 @@ class Kernel:
         return self.status
 
     def supports(self, tensor: torch.Tensor) -> bool:
-        """Whether `stats` takes this tensor (a strided CPU tensor of a known dtype)."""
+        """Whether `stats` and `gather` take this tensor (a strided CPU tensor of a known dtype)."""
         return tensor.device.type == "cpu" and tensor.dtype in _KINDS and (self.status or self.load()) == "fused"
 
     def stats(self, tensor: torch.Tensor) -> tuple:
@@ -226,7 +226,6 @@ class Kernel:
         self._function(data.data_ptr(), _KINDS[data.dtype], n, (ctypes.c_int64 * n)(*size),
                        (ctypes.c_int64 * n)(*stride), (ctypes.c_int64 * n)(*step), floats, ints)
         return (*floats, *ints)
-
 
     def gather(self, tensor: torch.Tensor, offsets: np.ndarray) -> np.ndarray:
         """float64 values of the elements at memory `offsets` (int64, from the first element)."""
@@ -277,7 +276,8 @@ def _build() -> str:
         with open(source, "w") as f:
             f.write(_SOURCE)
         built = os.path.join(staging, "stats.so")
-        result = subprocess.run([compiler, *_FLAGS, source, "-o", built], capture_output=True, text=True, timeout=300)
+        result = subprocess.run([compiler, *_FLAGS, source, "-o", built], capture_output=True, text=True, timeout=300,
+                                check=False)
         if result.returncode != 0:
             raise OSError(f"compiling the statistics kernel failed: {(result.stderr.strip() or '?').splitlines()[0]}")
         os.replace(built, library)
