@@ -6,7 +6,6 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import assert_one_line_error, run_cli
 
 

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, assert_one_line_error, run_cli
 
 TINY = ("--preset", "tiny", "--batch-size", "4", "--threads", "2", "--no-progress", "--log-every", "0")

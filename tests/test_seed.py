@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
 # Our seed_all changes process-wide state (dropout functions, deterministic mode): run it in a child.

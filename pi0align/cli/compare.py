@@ -54,8 +54,7 @@ def main(args: argparse.Namespace) -> int:
 
     from pi0align.compare import calibrate, compare_dumps, load_thresholds, parse_overrides
     from pi0align.errors import UserError
-    from pi0align.report import (default_html_path, plotly_js, print_summary, progress_bar, write_csv, write_html,
-                                 write_json)
+    from pi0align.report import default_html_path, plotly_js, print_summary, progress_bar, write_csv, write_html, write_json
 
     if args.top < 0:
         raise UserError("--top must be 0 or more")

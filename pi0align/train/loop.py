@@ -22,7 +22,6 @@ from pi0align.train.config import TrainConfig
 from pi0align.train.log import MetricsLog, ProgressDisplay, summarize
 
 
-
 def default_out_dir(config: TrainConfig) -> Path:
     return Path("dumps") / f"{config.device.replace(':', '')}-seed{config.seed}-{datetime.now():%Y%m%d-%H%M%S}"
 
