@@ -34,11 +34,7 @@ class Device:
         return None if self.type == "cpu" else getattr(torch, self.type)
 
     def name(self) -> str:
-        if self.type == "cpu":
-            import platform
-
-            return platform.processor() or platform.machine()
-        return self.module.get_device_name(self.index or 0)
+        return _cpu_model() if self.type == "cpu" else self.module.get_device_name(self.index or 0)
 
     def count(self) -> int:
         if self.type == "cpu":
@@ -66,6 +62,19 @@ class Device:
 
     def max_memory_allocated(self) -> int | None:
         return None if self.module is None else int(self.module.max_memory_allocated())
+
+
+def _cpu_model() -> str:
+    """The processor's model name (Linux), else what `platform` knows."""
+    import platform
+
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def import_torch_npu():

@@ -3,11 +3,11 @@ completed by what the caller knows (seed, config, dataset) through `Dumper(manif
 
 from __future__ import annotations
 
-import platform
 import sys
 
 import torch
 
+from pi0align.device import Device
 from pi0align.provenance import versions, weights_sha256
 
 _KEYS = ("seed", "seed_impl", "config", "dataset_fingerprint", "git_commit")
@@ -16,12 +16,11 @@ _KEYS = ("seed", "seed_impl", "config", "dataset_fingerprint", "git_commit")
 def build_manifest(model: torch.nn.Module | None, rank: int, world_size: int, given: dict | None) -> dict:
     """Every key docs/dump-format.md promises; `given` values win over what is found here."""
     first = next(iter(model.parameters()), None) if model is not None else None
-    device = first.device if first is not None else torch.device("cpu")
-    module = getattr(torch, device.type, None) if device.type != "cpu" else None
+    device = Device(first.device.type, first.device.index) if first is not None else Device("cpu")
     manifest = {
         "device": device.type,
-        "device_name": module.get_device_name(device) if module is not None else platform.processor() or platform.machine(),
-        "device_count": module.device_count() if module is not None else 1,
+        "device_name": device.name(),
+        "device_count": device.count(),
         "dtype": str(first.dtype).removeprefix("torch.") if first is not None else None,
         "world_size": world_size,
         "rank": rank,
