@@ -31,6 +31,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from pi0align.dump.writer import write_tensor_dataset
+
 FORMAT_VERSION = 1
 STR = h5py.string_dtype()
 
@@ -254,9 +256,7 @@ def _write_step(group: h5py.Group, s: Step, mode: str, sample_size: int, stack_i
             tensor = ""
             if mode == "tensor":
                 tensor = f"tensors/{i}"
-                filters = dict(compression="gzip", compression_opts=1, shuffle=True) if value.ndim else {}
-                ds = group.create_dataset(tensor, data=value, **filters)
-                ds.attrs["dtype"] = str(value.dtype)
+                write_tensor_dataset(group, tensor, value, str(value.dtype))
             count = 0
             if mode == "sample":
                 pos = sample_positions(call.name, role, arg_index, value.shape, sample_size)

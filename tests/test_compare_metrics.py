@@ -82,10 +82,12 @@ def test_statistics_of_all_nan_tensors():
     assert all(np.isinf(v[0]) for v in stats_metrics(one, nan).values())
 
 
-@pytest.mark.parametrize("filters", [dict(compression="gzip", shuffle=True), dict(compression="gzip"), {}],
-                         ids=["gzip+shuffle", "gzip", "uncompressed-chunked"])
+@pytest.mark.parametrize("filters", [dict(compression=32015, compression_opts=(1,), shuffle=True),
+                                     dict(compression="gzip", shuffle=True), dict(compression="gzip"), {}],
+                         ids=["zstd+shuffle", "gzip+shuffle", "gzip", "uncompressed-chunked"])
 def test_compressed_hdf5_chunks_read_in_parallel_equal_in_memory(tmp_path, filters):
     import h5py
+    import hdf5plugin  # noqa: F401 - the Zstandard filter (id 32015), as pi0align writes tensors
 
     from pi0align.compare.records import Bfloat16Array
 
@@ -96,6 +98,9 @@ def test_compressed_hdf5_chunks_read_in_parallel_equal_in_memory(tmp_path, filte
         for name, value in (("b", b), ("n", n), ("b16", b.view(np.uint32) >> 16), ("n16", n.view(np.uint32) >> 16)):
             f.create_dataset(name, data=value.astype(np.uint16) if "16" in name else value, chunks=(64, 32), **filters)
     with h5py.File(tmp_path / "t.h5", "r") as f:
+        from pi0align.compare.h5chunks import chunk_layout
+
+        assert chunk_layout(f["b"]) is not None  # read chunk by chunk, not through h5py
         expected = tensor_metrics(b, n, workers=1)
         for workers in (1, 3):
             got = tensor_metrics(f["b"], f["n"], chunk_elements=5000, workers=workers)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import math
 
 import h5py
+import hdf5plugin
 import numpy as np
 import pytest
 import torch
-
 from dump_helpers import find, read_step, reference_checksum
+
 from pi0align import Dumper
 from pi0align.dump.stats import ChecksumWeights, StatsBatch, _masked
 
@@ -99,19 +100,24 @@ def test_checksum_for_any_length(numel):
 def test_tensor_mode_stores_low_precision_tensors_losslessly(tmp_path):
     a = torch.randn(4, 8).to(torch.bfloat16)
     b = torch.randn(4, 8).to(torch.float16)
+    big = torch.randn(300, 4000).to(torch.bfloat16)  # large enough to be compressed, in several chunks
     with Dumper(tmp_path, steps=[0], level="api", mode="tensor") as dumper:
         dumper.start()
         a * 2
         b.t() * 2
+        big.t() * 2
         dumper.step()
     tables = read_step(tmp_path / "dump.h5", 0)
     with h5py.File(tmp_path / "dump.h5", "r") as f:
         group = f["steps/000000"]
         stored = group[tables["records"]["tensor"][find(tables, "/Tensor.mul#0", "forward", "input")]]
-        assert stored.attrs["dtype"] == "bfloat16" and stored.dtype == np.uint16 and stored.compression == "gzip"
+        assert stored.attrs["dtype"] == "bfloat16" and stored.dtype == np.uint16
         assert torch.equal(torch.from_numpy(stored[()].view(np.int16)).view(torch.bfloat16), a)
         stored = group[tables["records"]["tensor"][find(tables, "/Tensor.mul#1", "forward", "input")]]
         assert stored.attrs["dtype"] == "float16" and np.array_equal(stored[()], b.t().numpy())
+        stored = group[tables["records"]["tensor"][find(tables, "/Tensor.mul#2", "forward", "input")]]
+        assert set(stored._filters) == {"shuffle", str(hdf5plugin.ZSTD_ID)} and stored.chunks[0] < 4000
+        assert torch.equal(torch.from_numpy(stored[()].view(np.int16)).view(torch.bfloat16), big.t())
 
 
 def test_torch_npu_fused_ops_are_captured_once_and_restored(tmp_path, monkeypatch):

@@ -1,9 +1,11 @@
 """Read the chunks of a compressed HDF5 dataset in parallel, bypassing h5py's global lock.
 
-h5py serialises every read behind one lock, so gzip decompression -- the bottleneck of tensor
-mode -- would use one core. When a dataset's filters are ones we can undo ourselves (gzip,
-shuffle, or none), we read each chunk's bytes straight from the file (os.pread), inflate them
-with zlib and unshuffle them with numpy, all of which release the GIL, in worker threads.
+h5py serialises every read behind one lock, so decompression -- the bottleneck of tensor mode --
+would use one core. When a dataset's filters are ones we can undo ourselves (Zstandard, as
+pi0align writes tensors, or gzip; shuffle; or none), we read each chunk's bytes straight from the
+file (os.pread), decompress them and unshuffle them with numpy, all of which release the GIL, in
+worker threads. Importing this module registers the Zstandard filter (hdf5plugin) for h5py's own
+reads as well.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ import zlib
 from typing import Any
 
 import h5py
+import hdf5plugin  # lets h5py read Zstandard-compressed datasets too
 import numpy as np
+import zstandard
 
-_SUPPORTED_FILTERS = {"gzip", "shuffle"}
+_ZSTD = str(hdf5plugin.ZSTD_ID)  # how h5py names a filter it has no name for
+_SUPPORTED_FILTERS = {"gzip", "shuffle", _ZSTD}
 
 
 def chunk_layout(ds: Any) -> tuple | None:
@@ -38,22 +43,29 @@ def chunk_index(ds: h5py.Dataset) -> dict[tuple, tuple[int, int, int]] | None:
 
 
 class ChunkReader:
-    """Decoded chunks of one dataset, safe to call from several threads."""
+    """Decoded chunks of one dataset, safe to call from several threads, each with its own
+    `ChunkBuffers`: fresh megabyte buffers per chunk would cost more in page faults than the
+    decompression itself."""
 
     def __init__(self, ds: h5py.Dataset):
         self.shape, self.chunks, self.dtype = ds.shape, ds.chunks, ds.dtype
-        self.gzip, self.shuffle = "gzip" in ds._filters, "shuffle" in ds._filters
+        self.gzip, self.zstd, self.shuffle = "gzip" in ds._filters, _ZSTD in ds._filters, "shuffle" in ds._filters
+        self.chunk_bytes = int(np.prod(self.chunks)) * self.dtype.itemsize
         self.fd = os.open(ds.file.filename, os.O_RDONLY)
 
-    def read(self, offset: tuple, where: tuple[int, int, int]) -> np.ndarray:
+    def read(self, offset: tuple, where: tuple[int, int, int], buffers: ChunkBuffers) -> np.ndarray:
+        """The chunk at `offset`, valid until `buffers` serve the next read of this side."""
         byte_offset, size, mask = where
-        raw = os.pread(self.fd, size, byte_offset)
-        # filter_mask bit i set: filter i of the pipeline (shuffle first, then gzip) was skipped
+        raw = buffers.get("raw", size)
+        os.preadv(self.fd, [raw], byte_offset)
+        # filter_mask bit i set: filter i of the pipeline (shuffle first, then compression) was skipped
         if self.gzip and not mask & 0b10:
-            raw = zlib.decompress(raw)
+            raw = memoryview(zlib.decompress(raw))
+        elif self.zstd and not mask & 0b10:
+            raw = _zstd_into(raw, buffers.get("plain", self.chunk_bytes))
         data = np.frombuffer(raw, np.uint8)
         if self.shuffle and not mask & 0b01 and self.dtype.itemsize > 1:
-            data = _unshuffle(data, self.dtype.itemsize)
+            data = _unshuffle(data, self.dtype.itemsize, buffers.get("unshuffled", data.size))
         chunk = data.view(self.dtype).reshape(self.chunks)
         # edge chunks are stored whole: keep the part inside the dataset
         return chunk[tuple(slice(0, min(c, n - o)) for c, n, o in zip(self.chunks, self.shape, offset))]
@@ -62,13 +74,34 @@ class ChunkReader:
         os.close(self.fd)
 
 
-def _unshuffle(planes: np.ndarray, itemsize: int) -> np.ndarray:
+class ChunkBuffers:
+    """Reusable byte buffers of one reader thread, by purpose, grown as needed."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, bytearray] = {}
+
+    def get(self, purpose: str, size: int) -> memoryview:
+        buffer = self._buffers.get(purpose)
+        if buffer is None or len(buffer) < size:
+            buffer = self._buffers[purpose] = bytearray(size)
+        return memoryview(buffer)[:size]
+
+
+def _zstd_into(compressed: memoryview, out: memoryview) -> memoryview:
+    with zstandard.ZstdDecompressor().stream_reader(compressed) as reader:
+        filled = 0
+        while filled < len(out) and (count := reader.readinto(out[filled:])):
+            filled += count
+    return out[:filled]
+
+
+def _unshuffle(planes: np.ndarray, itemsize: int, out: memoryview) -> np.ndarray:
     """Undo HDF5's shuffle filter: byte i of every element was stored in plane i. (One strided
     write per plane is several times faster than a transposed copy.)"""
-    out = np.empty((planes.size // itemsize, itemsize), np.uint8)
+    elements = np.frombuffer(out, np.uint8).reshape(-1, itemsize)
     for i, plane in enumerate(planes.reshape(itemsize, -1)):
-        out[:, i] = plane
-    return out.reshape(-1)
+        elements[:, i] = plane
+    return elements.reshape(-1)
 
 
 def chunk_pairs(a: Any, b: Any) -> tuple[ChunkReader, ChunkReader, list[tuple]] | None:

@@ -41,7 +41,7 @@ class Dumper:
     ranks: the ranks that dump (None: all).
     include, exclude: fnmatch patterns over record names (`module.path/API#k`).
     manifest: run facts to store (seed, seed_impl, config, dataset_fingerprint, git_commit, ...).
-    compress: gzip the full tensors of tensor mode (float data compresses little, and slowly).
+    compress: compress the full tensors of tensor mode (shuffle + Zstandard, docs/dump-format.md).
     """
 
     def __init__(self, path: str | os.PathLike, steps: Iterable[int] | None = None, level: str = "mix",

@@ -14,8 +14,10 @@ import threading
 from pathlib import Path
 
 import h5py
+import hdf5plugin  # registers the Zstandard filter with HDF5, for writing and reading
 import numpy as np
 import torch
+import zstandard
 
 from pi0align.dump.steplog import StepTables
 
@@ -107,7 +109,7 @@ class TensorWriter:
 
     def __init__(self, dump_path: Path, compress: bool = True, queue_size: int = 64) -> None:
         self.folder = dump_path.with_name(dump_path.name + ".tensors")
-        self._filters = {"compression": "gzip", "compression_opts": 1, "shuffle": True} if compress else {}
+        self._compress = compress
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._error: BaseException | None = None
         self._file: h5py.File | None = None
@@ -125,7 +127,8 @@ class TensorWriter:
     def put(self, tensor: torch.Tensor) -> str:
         """Queue a copy of the tensor; returns its dataset path relative to the step group."""
         path = f"tensors/{self._count}"
-        self._put(("write", str(self._count), tensor.detach().to("cpu", copy=True)))
+        copy = tensor.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+        self._put(("write", str(self._count), copy))
         self._count += 1
         return path
 
@@ -170,9 +173,7 @@ class TensorWriter:
             item[1].parent.mkdir(parents=True, exist_ok=True)
             self._file = h5py.File(item[1], "w")
         elif kind == "write":
-            data, dtype = tensor_to_numpy(item[2])
-            dataset = self._file.create_dataset(item[1], data=data, **(self._filters if data.ndim else {}))
-            dataset.attrs["dtype"] = dtype
+            write_tensor_dataset(self._file, item[1], *tensor_to_numpy(item[2]), compress=self._compress)
         elif kind == "close" and self._file is not None:
             file, self._file = self._file, None
             file.close()
@@ -198,3 +199,61 @@ def tensor_to_numpy(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
         return tensor.view(bits[0]).numpy().view(bits[1]), dtype
 
 
+
+
+ZSTD_LEVEL = 1
+CHUNK_BYTES = 1 << 20
+MIN_COMPRESSED_BYTES = 1 << 12  # below this, compressing costs more time than it saves bytes
+
+
+def write_tensor_dataset(group: h5py.Group, name: str, data: np.ndarray, dtype: str, compress: bool = True) -> None:
+    """One full tensor as a dataset (docs/dump-format.md, *tensors*): byte-shuffled and
+    Zstandard-compressed in chunks of about CHUNK_BYTES. The chunks are compressed here and
+    written raw: zstandard releases the GIL while HDF5's own filter pipeline would hold it."""
+    if not compress or data.ndim == 0 or data.nbytes < MIN_COMPRESSED_BYTES:
+        dataset = group.create_dataset(name, data=data)
+    else:
+        data = np.ascontiguousarray(data)
+        chunks = chunk_shape(data.shape, data.itemsize)
+        dataset = group.create_dataset(name, shape=data.shape, dtype=data.dtype, chunks=chunks, shuffle=True,
+                                       compression=hdf5plugin.ZSTD_ID, compression_opts=(ZSTD_LEVEL,))
+        compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        for offset, block in _chunk_blocks(data, chunks):
+            dataset.id.write_direct_chunk(offset, compressor.compress(_shuffle(block)))
+    dataset.attrs["dtype"] = dtype
+
+
+def chunk_shape(shape: tuple, itemsize: int) -> tuple:
+    """Chunks of whole trailing dimensions (so each is one contiguous block of the tensor),
+    about CHUNK_BYTES each: 1 along the leading axes, a run of rows along axis `a`."""
+    trailing = itemsize
+    for a in range(len(shape) - 1, -1, -1):
+        if a == 0 or trailing * shape[a] > CHUNK_BYTES:
+            rows = max(1, min(shape[a], CHUNK_BYTES // trailing))
+            return (1,) * a + (rows,) + tuple(shape[a + 1:])
+        trailing *= shape[a]
+    raise AssertionError("unreachable")
+
+
+def _chunk_blocks(data: np.ndarray, chunks: tuple):
+    """(chunk offset, contiguous block padded to the full chunk) for every chunk of `data`."""
+    a = len(chunks) - 1  # the axis chunks run along: the last one not taken whole
+    while a > 0 and chunks[a] == data.shape[a]:
+        a -= 1
+    rows, tail = chunks[a], (0,) * (len(chunks) - a - 1)
+    for lead in np.ndindex(*data.shape[:a]):
+        for start in range(0, data.shape[a], rows):
+            block = data[lead + (slice(start, start + rows),)]
+            if block.shape[0] < rows:  # HDF5 stores edge chunks whole
+                block = np.concatenate([block, np.zeros((rows - block.shape[0], *block.shape[1:]), data.dtype)])
+            yield lead + (start,) + tail, block
+
+
+def _shuffle(block: np.ndarray) -> np.ndarray:
+    """HDF5's shuffle filter: byte i of every element into plane i (floats compress better so)."""
+    size = block.itemsize
+    elements = block.reshape(-1).view(np.uint8).reshape(-1, size)
+    planes = np.empty((size, elements.shape[0]), np.uint8)
+    for i in range(size):
+        planes[i] = elements[:, i]
+    return planes
