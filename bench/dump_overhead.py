@@ -4,7 +4,9 @@ Small preset, CPU, one thread. Plain and dumped steps alternate in one process, 
 timed against the plain step just before it (a CPU step drifts over a long run; fixed `MALLOC_*`
 thresholds, set by re-executing this script, steady glibc's allocator). Variants: our Dumper idle
 (started, step not selected), stats, sample and tensor mode at level mix, and stats at level api
-(msprobe's L1 records API calls only); msprobe's
+(msprobe's L1 records API calls only). Tensor mode hands the tensors to a writer process and goes
+on; "tensor, until on disk" also waits (`Dumper.flush()`) until the step's tensors are written,
+the cost when steps are dumped back to back. msprobe's
 PrecisionDebugger (when installed) at L1 and mix, statistics and tensor, each in its own process
 because it is a process-wide singleton. Also bytes written per dumped step.
 
@@ -28,7 +30,8 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": 
               "MALLOC_TOP_PAD_": str(1 << 28), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 # variant -> (mode, level); idle: started, but the step is not one to dump
 OURS = {"idle": None, "stats": ("stats", "mix"), "stats (api level)": ("stats", "api"),
-        "sample": ("sample", "mix"), "tensor": ("tensor", "mix"), "tensor, uncompressed": ("tensor", "mix")}
+        "sample": ("sample", "mix"), "tensor": ("tensor", "mix"), "tensor, uncompressed": ("tensor", "mix"),
+        "tensor, until on disk": ("tensor", "mix")}
 MSPROBE = {"msprobe L1 statistics": ("statistics", "L1"), "msprobe mix statistics": ("statistics", "mix"),
            "msprobe L1 tensor": ("tensor", "L1")}
 
@@ -95,6 +98,8 @@ def bench_ours(args, work: Path) -> list[tuple[str, float, float, int]]:
             step()
             dumper.step()
             dumper.stop()
+            if "until on disk" in name:  # the step's tensors written, not only handed to the writer process
+                dumper.flush()
             counts[name] += 1
 
         variants[name] = run

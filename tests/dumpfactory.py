@@ -31,7 +31,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from pi0align.dump.writer import write_tensor_dataset
+from pi0align.dump.tensor_store import write_tensor_dataset
 
 FORMAT_VERSION = 1
 STR = h5py.string_dtype()

@@ -79,13 +79,14 @@ def test_in_place_calls_record_their_input_before_and_output_after(edges):
 
 
 def test_masked_statistics_agree_with_the_fast_path_on_finite_tensors():
-    x = torch.randn(1000)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     batch = StatsBatch(ChecksumWeights())
     batch.add(x)
     floats, ints = batch.collect()
     lo, hi, total, squares, nan, inf = _masked(x)
     assert (lo.item(), hi.item(), nan.item(), inf.item()) == (floats[0, 0], floats[0, 1], 0, 0)
-    assert total.item() / 1000 == pytest.approx(floats[0, 2]) and math.sqrt(squares.item()) == pytest.approx(floats[0, 3])
+    # float32 torch sums against the kernel's float64: the mean (near 0) agrees in absolute terms
+    assert total.item() / 1000 == pytest.approx(floats[0, 2], abs=1e-6) and math.sqrt(squares.item()) == pytest.approx(floats[0, 3])
     assert ints[0, 2] == reference_checksum(x)
 
 

@@ -132,6 +132,13 @@ class Dumper:
             with self._write_errors():
                 self._write(None)
 
+    def flush(self) -> None:
+        """Wait until every full tensor captured so far (tensor mode) is on disk; the other modes
+        write each step when it ends."""
+        if self._tensors is not None:
+            with self._write_errors():
+                self._tensors.flush()
+
     def record_metrics(self, step: int, loss: float, grad_norm: float | None = None, lr: float | None = None) -> None:
         """Log one training step's loss, gradient norm and learning rate (dumped step or not);
         written with the next dumped step or at `stop()`."""
@@ -142,11 +149,13 @@ class Dumper:
         return self
 
     def __exit__(self, *exc) -> None:
-        """`stop()`, then end the dumper's threads: the dumper is done."""
+        """`stop()`, then wait until every tensor is written and end the dumper's threads and
+        writer process: the dumper is done."""
         self.stop()
         if self._tensors is not None:
-            self._tensors.close()
-            self._tensors = None
+            tensors, self._tensors = self._tensors, None
+            with self._write_errors():
+                tensors.close()
         if self._worker is not None:
             self._worker.close()
             self._worker = None
@@ -162,10 +171,10 @@ class Dumper:
         manifest = build_manifest(self._model, self._rank, self._world_size, self._manifest)
         try:
             self._file = DumpFile(self.file, attrs, manifest)
+            if self.mode == "tensor":
+                self._tensors = TensorWriter(self.file, compress=self._compress)
         except WRITE_ERRORS as error:
             raise UserError(f"cannot write the dump file {self.file}: {_reason(error)}") from None
-        if self.mode == "tensor":
-            self._tensors = TensorWriter(self.file, compress=self._compress)
 
     def _selected(self) -> bool:
         return self.steps is None or self._step in self.steps

@@ -1,25 +1,30 @@
 """The dump file (docs/dump-format.md): opened, written and closed at each step's end, so that
 between steps the file on disk is complete and closed, and a killed run leaves it readable.
 
-Full tensors (tensor mode) are written during the step by a background thread into a side file
-per step, linked into the step's group at the end (HDF5 external link): the main file is never
-open while they are written.
+Full tensors (tensor mode) are written by a separate process into a side file per step, linked
+into the step's group at the end (HDF5 external link): the main file is never open while they
+are written, and the step does not wait for them.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import queue
+import mmap
+import os
+import pickle
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import h5py
-import hdf5plugin  # registers the Zstandard filter with HDF5, for writing and reading
 import numpy as np
 import torch
-import zstandard
 
+from pi0align.dump import tensor_store
 from pi0align.dump.steplog import StepTables
+from pi0align.dump.tensor_store import ensure_room
 
 FORMAT = "pi0align-dump"
 VERSION = 1
@@ -60,6 +65,7 @@ class DumpFile:
               tensors_file: str | None) -> None:
         """Append new stacks and metric rows and, when given, one complete step."""
         with h5py.File(self.path, "a") as f:
+            ensure_room(f, _bytes_needed(tables, stacks, metrics))
             if stacks:
                 _append(f["stacks/stack_id"], [s for s, _ in stacks])
                 _append(f["stacks/frames"], [frames for _, frames in stacks])
@@ -73,6 +79,16 @@ class DumpFile:
                 if group is not None:
                     group.attrs.update({"loss": loss, "grad_norm": grad_norm, "lr": lr})
             f.flush()
+
+
+def _bytes_needed(tables: StepTables | None, stacks: list[tuple[int, str]], metrics: list[tuple]) -> int:
+    """A generous bound on what one `DumpFile.write` adds to the file (HDF5's own overhead included)."""
+    raw = sum(len(frames) + 64 for _, frames in stacks) + 64 * len(metrics)
+    if tables is not None:
+        # str columns are numpy unicode arrays: 4 bytes a character, more than their UTF-8
+        raw += sum(v.nbytes + 16 * len(v) for columns in (tables.calls, tables.records) for v in columns.values())
+        raw += sum(a.nbytes for a in tables.samples or ())
+    return 2 * raw + (1 << 20)
 
 
 def _append(dataset: h5py.Dataset, values: list) -> None:
@@ -104,156 +120,151 @@ def _write_step(f: h5py.File, tables: StepTables, tensors_file: str | None) -> N
 WRITE_ERRORS = (OSError, RuntimeError)  # h5py reports some failed writes (a full disk) as RuntimeError
 
 
-class TensorWriter:
-    """Writes full tensors of one step at a time to `<dump>.tensors/<step>.h5` on a thread."""
+RING_BYTES = 1 << 30  # tensors in flight to the writer process; a full ring makes the training wait
 
-    def __init__(self, dump_path: Path, compress: bool = True, queue_size: int = 64) -> None:
+
+class TensorWriter:
+    """Full tensors of one step at a time, into `<dump>.tensors/<step>.h5`, written by a separate
+    process (`tensor_store.py`): the training thread only copies each tensor into a shared ring
+    buffer, and waits only when the ring is full. `close()` waits until everything is on disk."""
+
+    def __init__(self, dump_path: Path, compress: bool = True, ring_bytes: int = RING_BYTES) -> None:
         self.folder = dump_path.with_name(dump_path.name + ".tensors")
-        self._compress = compress
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
-        self._error: BaseException | None = None
-        self._file: h5py.File | None = None
+        self._ring_bytes = ring_bytes
+        fd = os.memfd_create("pi0align-tensors")
+        os.ftruncate(fd, ring_bytes)
+        self._ring = mmap.mmap(fd, ring_bytes)
+        self._ring_tensor = torch.frombuffer(self._ring, dtype=torch.uint8)
+        self._process = subprocess.Popen([sys.executable, tensor_store.__file__, str(fd), str(ring_bytes),
+                                          "1" if compress else "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         pass_fds=(fd,))
+        os.close(fd)  # both processes map it: the memory lives while either does
+        self._head = 0  # ring bytes ever handed out (a position in an unbounded stream)
+        self._freed = 0  # stream position up to which the writer is done with the ring
+        self._synced = 0  # sync answers received
+        self._error: str | None = None
+        self._closing = self._ended = False
+        self._commands: list[tuple] = []  # not yet sent
         self._count = 0
-        self._thread = threading.Thread(target=self._run, name="pi0align-dump-writer", daemon=True)
-        self._thread.start()
+        self._answered = threading.Condition()
+        threading.Thread(target=self._read_answers, name="pi0align-tensor-answers", daemon=True).start()
 
     def begin_step(self, step: int) -> str:
-        """Open the step's side file (on the thread); returns its path relative to the dump file."""
+        """Start the step's side file; returns its path relative to the dump file."""
         self._count = 0
-        relative = f"{self.folder.name}/{step:06d}.h5"
-        self._put(("open", self.folder / f"{step:06d}.h5"))
-        return relative
+        self._commands.append(("open", str(self.folder / f"{step:06d}.h5")))
+        return f"{self.folder.name}/{step:06d}.h5"
 
     def put(self, tensor: torch.Tensor) -> str:
-        """Queue a copy of the tensor; returns its dataset path relative to the step group."""
-        path = f"tensors/{self._count}"
-        copy = tensor.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
-        self._put(("write", str(self._count), copy))
+        """Copy the tensor for the writer; returns its dataset path relative to the step group, or
+        "" once the writer has failed (the failure is raised at the step's end, not inside the
+        model's forward or backward)."""
+        if self._error is not None or self._ended:
+            return ""
+        name = str(self._count)
         self._count += 1
-        return path
+        nbytes = tensor.numel() * tensor.element_size()
+        dtype, np_dtype = _dtype_names(tensor.dtype)
+        size = -(-nbytes // 64) * 64  # aligned, so the copy can view the ring as any dtype
+        if size > self._ring_bytes:  # larger than the whole ring: through the pipe
+            data = tensor.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+            self._commands.append(("write", name, dtype, np_dtype, tuple(tensor.shape), data.view(-1).view(
+                torch.uint8).numpy(), None))
+            return f"tensors/{name}"
+        position = self._head % self._ring_bytes
+        start = self._head + (self._ring_bytes - position if position + size > self._ring_bytes else 0)
+        # free once the writer is past what was there a lap ago (never past what it was given:
+        # the skipped end of the ring, when the tensor wraps to the start, is never answered)
+        free_from = min(start + size - self._ring_bytes, self._head)
+        if not self._wait(lambda: self._freed >= free_from):
+            return ""
+        offset = start % self._ring_bytes
+        self._head = start + size
+        target = self._ring_tensor[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        target.copy_(tensor.detach())
+        self._commands.append(("write", name, dtype, np_dtype, tuple(tensor.shape), (offset, nbytes), self._head))
+        if len(self._commands) >= 256:
+            self._send()
+        return f"tensors/{name}"
 
     def end_step(self) -> None:
-        """Wait until the step's tensors are on disk and its file is closed; raise what failed."""
-        self._put(("close",))
-        self._queue.join()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        """Let the writer finish the step's file on its own time; raise an earlier failure."""
+        self._commands.append(("close",))
+        self._send()
+        self._raise_error()
+
+    def flush(self) -> None:
+        """Wait until every tensor put so far is on disk; raise what failed."""
+        synced = self._synced + 1
+        self._commands.append(("sync",))
+        self._wait(lambda: self._synced >= synced)
+        self._raise_error()
 
     def close(self) -> None:
-        self._put(None)
-        self._thread.join()
+        """Wait until every tensor is on disk, end the writer; raise what failed."""
+        if self._process.poll() is None:
+            self.flush()
+            self._closing = True
+            self._send_batch(None)
+            self._process.wait()
+        self._raise_error()
 
-    def _put(self, item) -> None:
+    def _send(self) -> None:
+        commands, self._commands = self._commands, []
+        if commands:
+            self._send_batch(commands)
+
+    def _send_batch(self, batch: list | None) -> None:
+        try:
+            pickle.dump(batch, self._process.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            self._process.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self._writer_ended()
+
+    def _wait(self, done) -> bool:
+        """Block until `done()` (an answer arrived): True, or until the writer failed or ended: False."""
+        self._send()
+        with self._answered:
+            return self._answered.wait_for(lambda: done() or self._error is not None or self._ended) and done()
+
+    def _read_answers(self) -> None:
+        answers = self._process.stdout
+        while True:
+            try:
+                answer = pickle.load(answers)
+            except (EOFError, pickle.UnpicklingError, OSError):
+                self._writer_ended()
+                return
+            with self._answered:
+                if answer[0] == "freed":
+                    self._freed = answer[1]
+                elif answer[0] == "synced":
+                    self._synced += 1
+                elif answer[0] == "error" and self._error is None:
+                    self._error = answer[1]
+                self._answered.notify_all()
+
+    def _writer_ended(self) -> None:
+        """Its answers (or its input) ended: the writer process is ending too."""
+        code = self._process.wait()
+        with self._answered:
+            if not self._closing and self._error is None:
+                self._error = f"the tensor writer process ended unexpectedly (exit code {code})"
+            self._ended = True
+            self._answered.notify_all()
+
+    def _raise_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
-            raise error
-        self._queue.put(item)
-
-    def _run(self) -> None:
-        failed = False  # the step's file failed: skip the rest of the step
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                if item[0] == "open":
-                    failed = False
-                if not failed:
-                    self._handle(item)
-            except BaseException as error:  # noqa: BLE001 - handed to the training thread
-                failed, self._error = True, error
-                self._close_quietly()
-            finally:
-                self._queue.task_done()
-
-    def _handle(self, item: tuple) -> None:
-        kind = item[0]
-        if kind == "open":
-            item[1].parent.mkdir(parents=True, exist_ok=True)
-            self._file = h5py.File(item[1], "w")
-        elif kind == "write":
-            write_tensor_dataset(self._file, item[1], *tensor_to_numpy(item[2]), compress=self._compress)
-        elif kind == "close" and self._file is not None:
-            file, self._file = self._file, None
-            file.close()
-
-    def _close_quietly(self) -> None:
-        """After a failed write (disk full), closing may fail the same way: the first error is the one to report."""
-        file, self._file = self._file, None
-        if file is not None:
-            try:
-                file.close()
-            except (OSError, RuntimeError):
-                pass
+            raise OSError(error)
 
 
-def tensor_to_numpy(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
-    """(array, torch dtype name): dtypes numpy lacks (bfloat16, float8, ...) as their raw unsigned bits."""
-    dtype = str(tensor.dtype).removeprefix("torch.")
+@functools.cache
+def _dtype_names(dtype: torch.dtype) -> tuple[str, str]:
+    """(torch dtype name, NumPy dtype it is stored as): dtypes NumPy lacks (bfloat16, float8, ...)
+    as their raw unsigned bits, losslessly."""
     try:
-        return tensor.numpy(), dtype
+        stored = torch.empty(0, dtype=dtype).numpy().dtype
     except TypeError:
-        bits = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.uint16), 4: (torch.int32, np.uint32),
-                8: (torch.int64, np.uint64)}[tensor.element_size()]
-        return tensor.view(bits[0]).numpy().view(bits[1]), dtype
-
-
-
-
-ZSTD_LEVEL = 1
-CHUNK_BYTES = 1 << 20
-MIN_COMPRESSED_BYTES = 1 << 12  # below this, compressing costs more time than it saves bytes
-
-
-def write_tensor_dataset(group: h5py.Group, name: str, data: np.ndarray, dtype: str, compress: bool = True) -> None:
-    """One full tensor as a dataset (docs/dump-format.md, *tensors*): byte-shuffled and
-    Zstandard-compressed in chunks of about CHUNK_BYTES. The chunks are compressed here and
-    written raw: zstandard releases the GIL while HDF5's own filter pipeline would hold it."""
-    if not compress or data.ndim == 0 or data.nbytes < MIN_COMPRESSED_BYTES:
-        dataset = group.create_dataset(name, data=data)
-    else:
-        data = np.ascontiguousarray(data)
-        chunks = chunk_shape(data.shape, data.itemsize)
-        dataset = group.create_dataset(name, shape=data.shape, dtype=data.dtype, chunks=chunks, shuffle=True,
-                                       compression=hdf5plugin.ZSTD_ID, compression_opts=(ZSTD_LEVEL,))
-        compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-        for offset, block in _chunk_blocks(data, chunks):
-            dataset.id.write_direct_chunk(offset, compressor.compress(_shuffle(block)))
-    dataset.attrs["dtype"] = dtype
-
-
-def chunk_shape(shape: tuple, itemsize: int) -> tuple:
-    """Chunks of whole trailing dimensions (so each is one contiguous block of the tensor),
-    about CHUNK_BYTES each: 1 along the leading axes, a run of rows along axis `a`."""
-    trailing = itemsize
-    for a in range(len(shape) - 1, -1, -1):
-        if a == 0 or trailing * shape[a] > CHUNK_BYTES:
-            rows = max(1, min(shape[a], CHUNK_BYTES // trailing))
-            return (1,) * a + (rows,) + tuple(shape[a + 1:])
-        trailing *= shape[a]
-    raise AssertionError("unreachable")
-
-
-def _chunk_blocks(data: np.ndarray, chunks: tuple):
-    """(chunk offset, contiguous block padded to the full chunk) for every chunk of `data`."""
-    a = len(chunks) - 1  # the axis chunks run along: the last one not taken whole
-    while a > 0 and chunks[a] == data.shape[a]:
-        a -= 1
-    rows, tail = chunks[a], (0,) * (len(chunks) - a - 1)
-    for lead in np.ndindex(*data.shape[:a]):
-        for start in range(0, data.shape[a], rows):
-            block = data[lead + (slice(start, start + rows),)]
-            if block.shape[0] < rows:  # HDF5 stores edge chunks whole
-                block = np.concatenate([block, np.zeros((rows - block.shape[0], *block.shape[1:]), data.dtype)])
-            yield lead + (start,) + tail, block
-
-
-def _shuffle(block: np.ndarray) -> np.ndarray:
-    """HDF5's shuffle filter: byte i of every element into plane i (floats compress better so)."""
-    size = block.itemsize
-    elements = block.reshape(-1).view(np.uint8).reshape(-1, size)
-    planes = np.empty((size, elements.shape[0]), np.uint8)
-    for i in range(size):
-        planes[i] = elements[:, i]
-    return planes
+        stored = np.dtype(f"u{torch.empty(0, dtype=dtype).element_size()}")
+    return str(dtype).removeprefix("torch."), stored.str

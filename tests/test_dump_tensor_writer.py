@@ -1,0 +1,46 @@
+"""The tensor writer process: tensors handed over through the shared ring come back exact, when
+the ring wraps and fills (the training side waits) and when a tensor is larger than the ring."""
+
+from __future__ import annotations
+
+import h5py
+import hdf5plugin  # noqa: F401 - the tensors' Zstandard filter
+import numpy as np
+import pytest
+import torch
+
+from pi0align import Dumper
+from pi0align.dump.writer import TensorWriter
+
+
+@pytest.mark.timeout(120)  # a ring that never frees would hang
+def test_ring_wraps_fills_and_passes_tensors_larger_than_itself(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(n, generator=generator) for n in (40_000, 70_000, 10, 300_000, 50_000, 90_000)]
+    tensors.append(torch.randn(300, 200, generator=generator).to(torch.bfloat16).t())  # a view, 2-byte dtype
+    writer = TensorWriter(tmp_path / "dump.h5", ring_bytes=1 << 18)  # 256 KiB: the 300k tensor does not fit
+    for step in range(2):
+        writer.begin_step(step)
+        paths = [writer.put(t * (step + 1)) for t in tensors]
+        writer.end_step()
+    writer.close()
+    with h5py.File(tmp_path / "dump.h5.tensors" / "000001.h5", "r") as f:
+        for path, tensor in zip(paths, tensors):
+            stored = f[path.removeprefix("tensors/")]
+            expected = (tensor * 2).contiguous()
+            if expected.dtype == torch.bfloat16:
+                expected = expected.view(torch.int16).numpy().view(np.uint16)
+            else:
+                expected = expected.numpy()
+            assert stored.attrs["dtype"] == str(tensor.dtype).removeprefix("torch.")
+            assert np.array_equal(stored[()], expected)
+
+
+def test_flush_waits_until_the_step_tensors_are_on_disk(tmp_path):
+    folder = tmp_path / "dump.h5.tensors"
+    with Dumper(tmp_path, steps=[0], level="api", mode="tensor") as dumper:
+        dumper.start()
+        torch.ones(4096, 4096) * 2  # 2 x 64 MiB to write: not done by the time step() returns
+        dumper.step()
+        dumper.flush()
+        assert (folder / "000000.h5").exists() and not list(folder.glob("*.partial"))
