@@ -5,6 +5,8 @@
 1. the same msprobe dumps (statistics and tensor) of a small torch MLP made with msprobe's
    PrecisionDebugger on CPU: both tools as command-line processes (start-up included);
 2. synthetic msprobe statistics dumps of 1k, 5k and 20k calls (identical call sequences);
+   in cases 1 and 2 ours runs three ways: compare_dumps in a bare process, and the `pi0align
+   compare` command as a user runs it (console summary, with its HTML report and with --no-html);
 3. sequence alignment: 20k calls where run B has 1% extra calls (casts) -- ours against
    msprobe's fuzzy mode (-fm);
 4. tensor mode on our HDF5 dumps: throughput (GB/s of tensor data) and peak resident memory.
@@ -33,9 +35,10 @@ sys.path.insert(0, str(ROOT / "tests"))  # dumpfactory: the test suite's dump wr
 
 PYTHON = sys.executable
 MSPROBE = shutil.which("msprobe", path=str(Path(PYTHON).parent)) or shutil.which("msprobe")
+PI0ALIGN = shutil.which("pi0align", path=str(Path(PYTHON).parent))  # the console script, as installed
 TIMEOUT = 600
 
-# ours as a process, the way a user runs it (the CLI module may be absent while it is written)
+# ours as a bare process: start-up and compare_dumps, no report (ours_cli runs the command itself)
 OURS = ("import sys; from pi0align.compare import compare_dumps; "
         "r = compare_dumps(sys.argv[1], sys.argv[2]); print(r.verdict, r.coverage)")
 # ours as a process, also reporting its peak resident memory (kB). VmHWM, not ru_maxrss: Linux
@@ -60,6 +63,16 @@ def timed(command: list[str], timeout: int = TIMEOUT) -> tuple[float, str]:
 
 def ours(a: Path, b: Path) -> tuple[float, str]:
     return timed([PYTHON, "-c", OURS, str(a), str(b)])
+
+
+def ours_cli(a: Path, b: Path, html: Path | None) -> tuple[float, str]:
+    """`pi0align compare A B` as a user types it: the console summary, and the HTML report at
+    `html` (None: --no-html). Returns the time and the verdict it printed."""
+    command = [PI0ALIGN] if PI0ALIGN else [PYTHON, "-m", "pi0align.cli.main"]
+    outputs = ["--html", str(html)] if html else ["--no-html"]
+    elapsed, out = timed(command + ["compare", str(a), str(b), *outputs])
+    verdict = next((word for word in ("ALIGNED", "DIVERGED") if word in out), out[-120:])
+    return elapsed, verdict
 
 
 def ours_in_process(a: Path, b: Path) -> float:
@@ -105,7 +118,7 @@ def msprobe_summary(out: Path) -> str:
 
 def line(case: str, ours_s: float, theirs_s: float, extra: str = "") -> None:
     ratio = theirs_s / ours_s if ours_s > 0 else float("nan")
-    print(f"{case:<46} ours {ours_s:8.2f} s   msprobe {theirs_s:8.2f} s   msprobe/ours {ratio:7.1f}x  {extra}",
+    print(f"{case:<52} ours {ours_s:8.2f} s   msprobe {theirs_s:8.2f} s   msprobe/ours {ratio:7.1f}x  {extra}",
           flush=True)
 
 
@@ -213,6 +226,7 @@ def main() -> None:
                 theirs_s, status = msprobe(a / "step0", b / "step0", work / f"out{n}")
                 line(f"statistics, synthetic {n} calls", ours_s, theirs_s,
                      f"(in-process ours {ours_in_process(a, b):.2f} s; ours: {verdict[:90]}; msprobe: {status})")
+                cli_lines(f"statistics, synthetic {n} calls", a, b, theirs_s, work)
             n = max(sizes)
             a = write_synthetic_msprobe(work / f"seq{n}_a", n, seed=1)
             b = write_synthetic_msprobe(work / f"seq{n}_b", n, seed=2, extra_every=100)
@@ -241,6 +255,14 @@ def real_msprobe_dumps(work: Path) -> None:
         theirs_s, status = msprobe(step_a, step_b, work / f"out_real_{task}")
         line(f"{task}, msprobe dumps of a 24-layer MLP", ours_s, theirs_s,
              f"(in-process ours {ours_in_process(a, b):.2f} s; ours: {verdict[:90]}; msprobe: {status})")
+        cli_lines(f"{task}, 24-layer MLP", a, b, theirs_s, work)
+
+
+def cli_lines(case: str, a: Path, b: Path, theirs_s: float, work: Path) -> None:
+    """The command-line tool on a case, with and without its HTML report, against msprobe's time."""
+    for label, html in (("CLI + HTML", work / "report.html"), ("CLI --no-html", None)):
+        cli_s, verdict = ours_cli(a, b, html)
+        line(f"{case}, {label}", cli_s, theirs_s, f"(ours: {verdict})")
 
 
 if __name__ == "__main__":

@@ -138,17 +138,36 @@ def test_missing_plotly_is_said_in_one_line_before_comparing(dumps, tmp_path):
     assert run.stdout == ""  # said before comparing
 
 
-def test_compare_never_imports_torch(dumps, tmp_path):
+def test_compare_imports_neither_torch_nor_pandas(dumps, tmp_path):
+    """Every output of `pi0align compare`, on our dumps and on msprobe's: no torch (it runs where
+    only the dumps are), no pandas and hence no pyarrow (a third of a second to import)."""
+    msprobe = _msprobe_dump(tmp_path / "msprobe")
     script = (
         "import sys\n"
         "from pi0align.cli.main import main\n"
-        f"code = main(['compare', {str(dumps['gpu'])!r}, {str(dumps['fault'])!r}, '--json', 's.json', '--csv', 'r.csv'])\n"
+        f"code = main(['compare', {str(dumps['gpu'])!r}, {str(dumps['fault'])!r}, '--json', 's.json',"
+        " '--csv', 'r.csv'])\n"
         "assert code == 1, code\n"
-        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        f"code = main(['compare', {str(msprobe)!r}, {str(msprobe)!r}, '--csv', 'm.csv', '--html', 'm.html'])\n"
+        "assert code == 0, code\n"
+        "print('imported:', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'pandas', 'pyarrow'}))\n"
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
-    assert (tmp_path / "reports" / "gpu-vs-npu.html").is_file()
+    assert run.stdout.splitlines()[-1] == "imported: []"
+    assert (tmp_path / "reports" / "gpu-vs-npu.html").is_file() and (tmp_path / "m.html").is_file()
+
+
+def _msprobe_dump(folder):
+    """A one-call msprobe statistics dump (step0/rank0/dump.json)."""
+    tensor = {"type": "torch.Tensor", "dtype": "torch.float32", "shape": [2, 3], "Max": 1.0, "Min": -1.0,
+              "Mean": 0.0, "Norm": 2.0, "requires_grad": False}
+    data = {"Functional.linear.0.forward": {"input_args": [tensor, tensor], "input_kwargs": {}, "output": [tensor]}}
+    rank = folder / "step0" / "rank0"
+    rank.mkdir(parents=True)
+    (rank / "dump.json").write_text(json.dumps({"task": "statistics", "level": "L1", "framework": "pytorch",
+                                                "dump_data_dir": None, "data": data}))
+    return folder
 
 
 @pytest.mark.browser

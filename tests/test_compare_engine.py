@@ -105,6 +105,19 @@ def test_extra_noop_call_is_one_sided_and_nothing_is_mispaired(tmp_path, mode):
     assert (rows.loc[rows["pairing"] != "only_b", "verdict"] == "pass").all()
 
 
+def test_rows_and_training_metrics_read_as_dataframes(tmp_path):
+    import pandas as pd
+
+    result = compare_dumps(make(tmp_path, "a"), make(tmp_path, "b", noise_seed=2, extra_noop="model.layers.1"))
+    rows = result.rows
+    assert isinstance(rows, pd.DataFrame) and list(rows.columns) == ROW_COLUMNS
+    assert str(rows["seq_a"].dtype) == "Int64" and int(rows["seq_a"].isna().sum()) == 6  # the no-op's, B only
+    assert list(result.metrics_a.columns) == ["step", "loss", "grad_norm", "lr"]
+    assert list(result.metrics_b["step"]) == [0, 1]
+    rows.loc[0, "verdict"] = "fail"  # the DataFrame is the comparison's rows from now on
+    assert result.table()["verdict"][0] == "fail"
+
+
 def test_nan_and_inf_on_both_sides_agree_and_on_one_side_fail(tmp_path):
     for scale, name in ((np.inf, "inf"), (np.nan, "nan"), (0.0, "zero")):
         fault = Fault(FAULTY, scale=scale)

@@ -24,7 +24,8 @@ def test_our_dump_reads_every_record(good):
     steps = run_toy_model(steps=2)
     assert len(dump.records) == sum(len(c.records) for s in steps for c in s.calls)
     assert dump.mode == "sample" and list(dump.metrics["step"]) == [0, 1]
-    assert dump.records["stack"].str.startswith("toy_model.py:").all() or (dump.records["api"] == "Parameter").any()
+    stacks, apis = dump.records["stack"], dump.records["api"]
+    assert all(stack.startswith("toy_model.py:") for stack in stacks) or (apis == "Parameter").any()
     values, positions = dump.sample_reader(0)
     assert values.shape == positions.shape and values.shape[0] == int((dump.records["step"] == 0).sum())
     dump.close()
@@ -91,7 +92,7 @@ def test_msprobe_names_and_roles_are_mapped(tmp_path):
     (folder / "step0" / "rank0" / "construct.json").write_text(json.dumps(
         {"Functional.linear.0.forward": "Module.layer.Linear.forward.0", "Module.layer.Linear.forward.0": None}))
     (dump,) = open_run(folder).values()
-    r = dump.records
+    r = dump.records.to_pandas()
     linear = r[r["name"] == "layer/Functional.linear#0"]
     assert list(zip(linear["direction"], linear["role"], linear["arg_index"])) == [
         ("forward", "input", 0), ("forward", "input", 1), ("forward", "input", 2), ("forward", "output", 0),
@@ -129,7 +130,7 @@ def test_msprobe_tensor_dump_against_our_dump_of_the_same_values(tmp_path):
     steps = []
     for faulty in (False, True):
         calls = []
-        for (call, name), group in dump.records.groupby(["call", "name"], sort=True):
+        for (call, name), group in dump.records.to_pandas().groupby(["call", "name"], sort=True):
             records = []
             for row in group.itertuples():
                 value = np.asarray(dump.tensor_reader(row.step, row.tensor), np.float32)
@@ -144,3 +145,26 @@ def test_msprobe_tensor_dump_against_our_dump_of_the_same_values(tmp_path):
     assert compare_dumps(ms, ours).verdict == "aligned"
     result = compare_dumps(ms, faulty)
     assert result.verdict == "diverged" and result.first_divergence.api == "Tensor.__mul__"
+
+
+def test_a_step_whose_tensor_file_is_missing_is_compared_on_statistics(tmp_path):
+    import shutil
+
+    import torch
+
+    from pi0align import Dumper
+
+    x = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
+    with Dumper(tmp_path / "a", steps=[0, 1], level="api", mode="tensor") as dumper:
+        dumper.start()
+        for _ in range(2):
+            (x * 2).relu()
+            dumper.step()
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    (tmp_path / "b" / "dump.h5.tensors" / "000001.h5").unlink()  # as after a crash before the writer finished
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    assert result.verdict == "aligned"
+    assert any("step 1's full tensors are missing" in note for note in result.notes)
+    evidence = result.table()["evidence"][result.table()["step"] == 1]
+    assert len(evidence) and set(evidence) == {"stats"}
+    assert set(result.table()["evidence"][result.table()["step"] == 0]) == {"tensor"}

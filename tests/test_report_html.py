@@ -13,6 +13,7 @@ import pytest
 from test_report_samples import BACKWARD_NAME, CULPRIT_MODULE, CULPRIT_NAME, EXTRA_NAME, sample_comparison
 
 from pi0align.compare.result import ROW_COLUMNS
+from pi0align.compare.table import Table
 from pi0align.report.html import default_html_path, write_html
 from pi0align.report.rowdata import rows_json
 
@@ -38,7 +39,7 @@ def test_row_payload_round_trips_numbers_missing_values_infinities_and_text():
     rows = comparison.rows.copy()
     rows.loc[0, "max_rel_err"] = math.inf
     rows.loc[1, "name"] = "</script><b>x</b>"
-    text = rows_json(rows)
+    text = rows_json(Table.from_pandas(rows))
     assert "<" not in text  # cannot close the <script> element it is embedded in
     columns = decode_rows(text)
     assert list(columns)[:len(ROW_COLUMNS)] == ROW_COLUMNS

@@ -49,18 +49,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    # Imported here, not at the top: `pi0align compare --help` stays instant (pandas, h5py, jinja2).
+    # Imported here, not at the top: `pi0align compare --help` stays instant (numpy, h5py, rich);
+    # the HTML report's modules (Jinja2) only when it is written.
     from rich.console import Console
 
     from pi0align.compare import calibrate, compare_dumps, load_thresholds, parse_overrides
     from pi0align.errors import UserError
-    from pi0align.report import default_html_path, plotly_js, print_summary, progress_bar, write_csv, write_html, write_json
+    from pi0align.report import print_summary, progress_bar, write_csv, write_json
 
     if args.top < 0:
         raise UserError("--top must be 0 or more")
     if args.html and args.no_html:
         raise UserError("--html and --no-html contradict each other; give one")
     if not args.no_html:
+        from pi0align.report import plotly_js
+
         plotly_js()  # a missing plotly is said now, not after a long compare
     console, status = Console(), Console(stderr=True)
     # Precedence, lowest first: defaults, --thresholds FILE, --calibrate, --threshold overrides.
@@ -81,6 +84,8 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         written.append(write_json(comparison, args.json))
     if not args.no_html:
+        from pi0align.report import default_html_path, write_html
+
         html_path = args.html or default_html_path(args.dump_a, args.dump_b)
         written.append(write_html(comparison, html_path, top=args.top))
     for path in written:

@@ -15,94 +15,99 @@ kept as only_a / only_b.
 from __future__ import annotations
 
 import difflib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
-import pandas as pd
+
+from pi0align.compare.table import Groups, Table, gather, key_codes, lookup, outer_join
 
 _MAX_RUN_DP = 1_000_000  # cells; larger runs pair in order instead of by closeness
 _MAX_EDITS = 2000  # beyond this many insertions + deletions in one module, difflib takes over
 
 
-def pair_records(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
+def pair_records(a: Table, b: Table) -> Table:
     """Columns ia, ib (row positions in a and b, -1 when absent) and pairing, one row per pair."""
-    calls_a, calls_b = _calls(a), _calls(b)
-    codes, _ = pd.factorize(pd.concat([calls_a["token"], calls_b["token"]], ignore_index=True))
-    calls_a["code"], calls_b["code"] = codes[:len(calls_a)], codes[len(calls_a):]
-    api_codes, _ = pd.factorize(pd.concat([calls_a["api"], calls_b["api"]], ignore_index=True))
-    calls_a["api_code"], calls_b["api_code"] = api_codes[:len(calls_a)], api_codes[len(calls_a):]
-    call_pairs = _pair_calls(calls_a, calls_b)
+    (calls_a, norms_a), (calls_b, norms_b) = _calls(a), _calls(b)
+    n = len(calls_a)
+    for column in ("token", "api"):
+        codes, _ = key_codes(np.concatenate([calls_a[column], calls_b[column]]))
+        calls_a[f"{column}_code"], calls_b[f"{column}_code"] = codes[:n], codes[n:]
+    call_pairs = _pair_calls(calls_a, calls_b, norms_a, norms_b)
 
-    ra = a[["step", "call", "role", "arg_index"]].assign(ia=np.arange(len(a)))
-    ra = ra.merge(call_pairs, left_on=["step", "call"], right_on=["step", "call_a"], how="left")
-    ra["call_b"] = ra["call_b"].fillna(-1).astype(np.int64)
-    rb = b[["step", "call", "role", "arg_index"]].rename(columns={"call": "call_b"}).assign(ib=np.arange(len(b)))
-    merged = ra.merge(rb, on=["step", "call_b", "role", "arg_index"], how="outer", sort=False)
-    pairs = pd.DataFrame({
-        "ia": merged["ia"].fillna(-1).astype(np.int64).to_numpy(),
-        "ib": merged["ib"].fillna(-1).astype(np.int64).to_numpy(),
-        "pairing": np.where(merged["label"].isna(), "", merged["label"].astype(object)),
-    })
-    paired = (pairs["ia"] >= 0) & (pairs["ib"] >= 0)
-    pairs.loc[pairs["ib"] < 0, "pairing"] = "only_a"
-    pairs.loc[pairs["ia"] < 0, "pairing"] = "only_b"
-    ia, ib = pairs["ia"].to_numpy()[paired], pairs["ib"].to_numpy()[paired]
-    shape_diff = a["shape"].to_numpy()[ia] != b["shape"].to_numpy()[ib]
-    dtype_diff = a["dtype"].to_numpy()[ia] != b["dtype"].to_numpy()[ib]
-    labels = pairs.loc[paired, "pairing"].to_numpy()
-    labels = np.where(shape_diff, "shape_mismatch", np.where(dtype_diff, "dtype_mismatch", labels))
-    pairs.loc[paired, "pairing"] = labels
-    return pairs
+    # each record of a, with the call of b its call pairs with (-1: none)
+    steps_a, steps_b = a["step"].astype(np.int64), b["step"].astype(np.int64)
+    pair_of = lookup([steps_a, a["call"].astype(np.int64)], [call_pairs["step"], call_pairs["call_a"]])
+    call_b = gather(call_pairs["call_b"], pair_of, -1)
+    label = gather(call_pairs["label"], pair_of, "").astype(object)
+    ia, ib = outer_join([steps_a, call_b, a["role"], a["arg_index"].astype(np.int64)],
+                       [steps_b, b["call"].astype(np.int64), b["role"], b["arg_index"].astype(np.int64)])
+    pairing = gather(label, ia, "").astype(object)
+    pairing[ib < 0] = "only_a"
+    pairing[ia < 0] = "only_b"
+    paired = (ia >= 0) & (ib >= 0)
+    pa, pb = ia[paired], ib[paired]
+    shape_diff = a["shape"][pa] != b["shape"][pb]
+    dtype_diff = a["dtype"][pa] != b["dtype"][pb]
+    pairing[paired] = np.where(shape_diff, "shape_mismatch", np.where(dtype_diff, "dtype_mismatch", pairing[paired]))
+    return Table({"ia": ia, "ib": ib, "pairing": pairing})
 
 
-def _calls(records: pd.DataFrame) -> pd.DataFrame:
-    """One row per call: step, call, seq, name, module, api, direction, token, norms (tie-break)."""
-    ordered = records.sort_values(["step", "call", "role", "arg_index"], kind="stable")
-    step, call = ordered["step"].to_numpy(), ordered["call"].to_numpy()
+def _calls(records: Table) -> tuple[Table, np.ndarray]:
+    """One row per call, in order of step and seq: step, call, seq, name, module, api, direction,
+    token, and norm_start/norm_end: where its records' norms are in the array returned with it
+    (the tie-break between equal calls)."""
+    step, call = records["step"].astype(np.int64), records["call"].astype(np.int64)
+    role_codes, _ = key_codes(records["role"])
+    ordered = np.lexsort((records["arg_index"].astype(np.int64), role_codes, call, step))
+    step, call = step[ordered], call[ordered]
     starts = np.flatnonzero(np.r_[True, (step[1:] != step[:-1]) | (call[1:] != call[:-1])]) if len(step) else \
         np.array([], np.int64)
-    parts = (ordered["role"] + ":" + ordered["shape"] + ":" + ordered["dtype"] + "|").to_numpy(object)
-    first = ordered.iloc[starts]
-    calls = pd.DataFrame({c: first[c].to_numpy() for c in ("step", "call", "seq", "name", "module", "api",
-                                                             "direction")})
+    parts = records["role"][ordered] + ":" + records["shape"][ordered] + ":" + records["dtype"][ordered] + "|"
+    first = ordered[starts]
+    calls = Table({c: records[c][first] for c in ("step", "call", "seq", "name", "module", "api", "direction")},
+                  length=len(starts))
     signature = np.add.reduceat(parts, starts) if len(starts) else np.array([], object)
-    calls["token"] = calls["api"].to_numpy(object) + "|" + signature
-    norms = np.empty(len(starts), object)
-    norms[:] = np.split(ordered["norm"].to_numpy(np.float64), starts[1:]) if len(starts) else []
-    calls["norms"] = norms
-    return calls.sort_values(["step", "seq"], kind="stable").reset_index(drop=True)
+    calls["token"] = calls["api"].astype(object) + "|" + signature
+    calls["norm_start"], calls["norm_end"] = starts, np.r_[starts[1:], len(step)] if len(starts) else starts
+    norms = records["norm"].astype(np.float64)[ordered]
+    return calls.take(np.lexsort((calls["seq"].astype(np.int64), calls["step"].astype(np.int64)))), norms
 
 
-def _pair_calls(calls_a: pd.DataFrame, calls_b: pd.DataFrame) -> pd.DataFrame:
-    keys = ["step", "direction", "module"]
-    groups_a = calls_a.groupby(keys, sort=False).indices
-    groups_b = calls_b.groupby(keys, sort=False).indices
-    col = {side: {c: df[c].to_numpy() for c in ("call", "name", "code", "api_code", "norms")}
-           for side, df in (("a", calls_a), ("b", calls_b))}
-    steps_a = calls_a["step"].to_numpy()
-    out_step, out_a, out_b, out_label = [], [], [], []
-    for key, idx_a in groups_a.items():
-        idx_b = groups_b.get(key)
-        if idx_b is None:
-            continue
-        names_a, names_b = col["a"]["name"][idx_a], col["b"]["name"][idx_b]
-        if len(idx_a) == len(idx_b) and np.array_equal(names_a, names_b):
-            pos_a, pos_b = np.arange(len(idx_a)), np.arange(len(idx_b))
-        else:
-            pos = align_sequences(col["a"]["code"][idx_a], col["b"]["code"][idx_b],
-                                  col["a"]["api_code"][idx_a], col["b"]["api_code"][idx_b],
-                                  col["a"]["norms"][idx_a], col["b"]["norms"][idx_b])
-            pos_a, pos_b = (np.array(p, dtype=np.int64) for p in zip(*pos)) if pos else (np.array([], np.int64),) * 2
-        ga, gb = idx_a[pos_a], idx_b[pos_b]
-        out_step.append(steps_a[ga])
-        out_a.append(col["a"]["call"][ga])
-        out_b.append(col["b"]["call"][gb])
-        out_label.append(np.where(col["a"]["name"][ga] == col["b"]["name"][gb], "matched", "realigned"))
-    if not out_step:
-        return pd.DataFrame({"step": np.array([], np.int64), "call_a": np.array([], np.int64),
-                             "call_b": np.array([], np.int64), "label": np.array([], object)})
-    return pd.DataFrame({"step": np.concatenate(out_step), "call_a": np.concatenate(out_a),
-                         "call_b": np.concatenate(out_b), "label": np.concatenate(out_label)})
+def _pair_calls(calls_a: Table, calls_b: Table, norms_a: np.ndarray, norms_b: np.ndarray) -> Table:
+    """Pairs of calls (step, call_a, call_b, label "matched" or "realigned") within each
+    (step, direction, module): by position where both sides have the same names in the same
+    order (the usual case, for all such groups at once), else by aligning the two sequences."""
+    n = len(calls_a)
+    groups = Groups(*(np.concatenate([calls_a[k], calls_b[k]]) for k in ("step", "direction", "module")))
+    group_a, group_b = groups.codes[:n], groups.codes[n:]
+    order_a, order_b = np.argsort(group_a, kind="stable"), np.argsort(group_b, kind="stable")  # group after group
+    count_a, count_b = np.bincount(group_a, minlength=len(groups)), np.bincount(group_b, minlength=len(groups))
+    # groups with as many calls on both sides line up row for row in order_a and order_b
+    same_length = count_a == count_b
+    rows_a, rows_b = order_a[same_length[group_a[order_a]]], order_b[same_length[group_b[order_b]]]
+    renamed = np.zeros(len(groups), bool)
+    renamed[group_a[rows_a][calls_a["name"][rows_a] != calls_b["name"][rows_b]]] = True
+    by_position = same_length & ~renamed
+    paired_a, paired_b = [rows_a[by_position[group_a[rows_a]]]], [rows_b[by_position[group_b[rows_b]]]]
+    start_a, start_b = np.cumsum(count_a) - count_a, np.cumsum(count_b) - count_b
+    for group in np.flatnonzero(~by_position & (count_a > 0) & (count_b > 0)):
+        idx_a = order_a[start_a[group]:start_a[group] + count_a[group]]
+        idx_b = order_b[start_b[group]:start_b[group] + count_b[group]]
+        pos = align_sequences(calls_a["token_code"][idx_a], calls_b["token_code"][idx_b],
+                              calls_a["api_code"][idx_a], calls_b["api_code"][idx_b],
+                              _norms(calls_a, norms_a, idx_a), _norms(calls_b, norms_b, idx_b))
+        pos_a, pos_b = (np.array(p, dtype=np.int64) for p in zip(*pos)) if pos else (np.array([], np.int64),) * 2
+        paired_a.append(idx_a[pos_a])
+        paired_b.append(idx_b[pos_b])
+    ga, gb = np.concatenate(paired_a), np.concatenate(paired_b)
+    return Table({"step": calls_a["step"][ga].astype(np.int64), "call_a": calls_a["call"][ga].astype(np.int64),
+                  "call_b": calls_b["call"][gb].astype(np.int64),
+                  "label": np.where(calls_a["name"][ga] == calls_b["name"][gb], "matched", "realigned").astype(object)})
+
+
+def _norms(calls: Table, norms: np.ndarray, rows: np.ndarray) -> list[np.ndarray]:
+    """The tensor norms of each of these calls."""
+    return [norms[start:end] for start, end in zip(calls["norm_start"][rows], calls["norm_end"][rows])]
 
 
 def align_sequences(tokens_a: Sequence[int], tokens_b: Sequence[int], apis_a: Sequence[int] = (),

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
 from pi0align.compare.engine import compare_dumps
+from pi0align.compare.table import isin
 from pi0align.compare.thresholds import JUDGED_ERRORS, UNIT_ROUNDOFF, load_thresholds, looser_classes
 from pi0align.compare.verdict import JUDGED_PAIRINGS
 from pi0align.errors import UserError
@@ -22,17 +23,17 @@ def calibrate(path_a1: str | Path, path_a2: str | Path, *, margin: float = 10.0,
     (as from load_thresholds(file, overrides); the defaults when None), as do warn fractions."""
     if not margin >= 1:
         raise UserError(f"calibration margin must be at least 1, got {margin}")
-    rows = compare_dumps(path_a1, path_a2, steps=steps, thresholds=base).rows
-    rows = rows[rows["pairing"].isin(JUDGED_PAIRINGS)]
+    rows = compare_dumps(path_a1, path_a2, steps=steps, thresholds=base).table()
+    rows = rows.take(isin(rows["pairing"], JUDGED_PAIRINGS))
     classes = looser_classes(rows["dtype_a"], rows["dtype_b"])
     thresholds = copy.deepcopy(base) if base is not None else load_thresholds()
     for cls in set(classes):
-        seen = rows[classes == cls]
+        seen = rows.take(classes == cls)
         floor = 16 * UNIT_ROUNDOFF[cls] if cls != "integer" else 0.0
         for metric in JUDGED_ERRORS:
-            observed = np.nan_to_num(np.nanmax(seen[metric].to_numpy(np.float64), initial=0.0), posinf=np.inf)
+            observed = np.nan_to_num(np.nanmax(seen[metric].astype(np.float64), initial=0.0), posinf=np.inf)
             thresholds[cls][metric] = float(observed * margin) if metric == "nan_inf_mismatch" else \
                 float(max(observed * margin, floor))
-        worst_cosine = np.nanmin(seen["cosine"].to_numpy(np.float64), initial=1.0)
+        worst_cosine = np.nanmin(seen["cosine"].astype(np.float64), initial=1.0)
         thresholds[cls]["cosine"] = float(1.0 - max((1.0 - worst_cosine) * margin, floor * floor))
     return thresholds

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable
 
 import numpy as np
-import pandas as pd
 
 from pi0align.compare import rootcause
 from pi0align.compare.align import pair_records
@@ -16,6 +17,7 @@ from pi0align.compare.noise import noise_driven
 from pi0align.compare.open_dump import open_run
 from pi0align.compare.records import Dump, user_frames
 from pi0align.compare.result import ROW_COLUMNS, Comparison
+from pi0align.compare.table import Table, gather, isin, lookup
 from pi0align.compare.thresholds import load_thresholds
 from pi0align.compare.verdict import JUDGED_PAIRINGS, severity, verdicts
 from pi0align.errors import UserError
@@ -31,7 +33,26 @@ def compare_dumps(path_a: str | Path, path_b: str | Path, *, thresholds: dict | 
     folder. thresholds: as from load_thresholds() (defaults when None). steps: only these steps.
     progress: called as progress(done, total) while comparing.
     """
-    thresholds = thresholds or load_thresholds()
+    with _garbage_collector_paused():
+        return _compare(path_a, path_b, thresholds or load_thresholds(), steps, progress)
+
+
+@contextmanager
+def _garbage_collector_paused() -> Iterator[None]:
+    """A compare makes millions of small objects (msprobe's JSON alone: a dict per tensor), none in
+    a reference cycle; the cyclic collector would walk all of them again and again while they are
+    made, a third of the time. Reference counting still frees them."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _compare(path_a: str | Path, path_b: str | Path, thresholds: dict, steps: Iterable[int] | None,
+             progress: Progress | None) -> Comparison:
     wanted = set(steps) if steps is not None else None
     runs_a = open_run(path_a, wanted)
     try:
@@ -44,7 +65,7 @@ def compare_dumps(path_a: str | Path, path_b: str | Path, *, thresholds: dict | 
             raise UserError(f"the runs have different ranks: {sorted(runs_a)} in {path_a}, {sorted(runs_b)} in {path_b}")
         if wanted is not None:
             for path, runs in ((path_a, runs_a), (path_b, runs_b)):
-                if all(run.records.empty for run in runs.values()):
+                if all(not len(run.records) for run in runs.values()):
                     listed = ", ".join(map(str, sorted(wanted)[:10]))
                     raise UserError(f"{path} holds none of the steps asked for ({listed})")
         tracker = _Tracker(progress, sum(_work(runs_a[r], runs_b[r]) for r in runs_a))
@@ -72,76 +93,79 @@ class _Tracker:
 
 def _work(a: Dump, b: Dump) -> int:
     """Units of progress: one per step, plus one per tensor pair to stream."""
-    steps = len(set(a.records["step"]) | set(b.records["step"]))
+    steps = len(set(a.records["step"].tolist()) | set(b.records["step"].tolist()))
     tensors = int((a.records["tensor"] != "").sum()) if a.mode == b.mode == "tensor" else 0
     return steps + tensors
 
 
-def _compare_rank(a: Dump, b: Dump, tracker: _Tracker) -> tuple[pd.DataFrame, list[str], dict]:
-    """Rows of one rank (metrics filled, not yet judged), notes, and a stack lookup."""
-    ra, rb = a.records.reset_index(drop=True), b.records.reset_index(drop=True)
+def _compare_rank(a: Dump, b: Dump, tracker: _Tracker) -> tuple[Table, list[str], Callable]:
+    """Rows of one rank (metrics filled, not yet judged), notes, and the stack of a call."""
+    ra, rb = a.records, b.records
     pairs = pair_records(ra, rb)
-    ia, ib = pairs["ia"].to_numpy(), pairs["ib"].to_numpy()
-    side_a = ra.reindex(np.where(ia >= 0, ia, -1)).reset_index(drop=True)
-    side_b = rb.reindex(np.where(ib >= 0, ib, -1)).reset_index(drop=True)
-    has_a = ia >= 0
-    pick = lambda column: np.where(has_a, side_a[column].to_numpy(object), side_b[column].to_numpy(object))
-    rows = pd.DataFrame({
+    ia, ib = pairs["ia"], pairs["ib"]
+    side_a, side_b = _Side(ra, ia), _Side(rb, ib)
+    either = np.where(ia >= 0, ia, len(ra) + ib)  # a's record where there is one, else b's
+    pick = lambda column: np.concatenate([ra[column], rb[column]])[either]
+    rows = Table({
         "step": pick("step").astype(np.int64),
-        "seq_a": _nullable_int(side_a["seq"], has_a),
-        "seq_b": _nullable_int(side_b["seq"], ib >= 0),
+        "seq_a": side_a.values("seq", np.nan), "seq_b": side_b.values("seq", np.nan),
         "name": pick("name"), "module": pick("module"), "api": pick("api"), "direction": pick("direction"),
         "role": pick("role"), "arg_index": pick("arg_index").astype(np.int64),
-        "dtype_a": _text(side_a["dtype"]), "dtype_b": _text(side_b["dtype"]),
-        "shape_a": _text(side_a["shape"]), "shape_b": _text(side_b["shape"]),
-        "pairing": pairs["pairing"].to_numpy(object),
-        "evidence": "", "stack": pick("stack"), "rank": a.rank,
+        "dtype_a": side_a.values("dtype", ""), "dtype_b": side_b.values("dtype", ""),
+        "shape_a": side_a.values("shape", ""), "shape_b": side_b.values("shape", ""),
+        "pairing": pairs["pairing"],
+        "evidence": np.full(len(ia), "", object), "stack": pick("stack"), "rank": np.full(len(ia), a.rank, np.int64),
         # internal, not in ROW_COLUMNS: for the rounding-noise rule (noise.py)
-        "norm_a": side_a["norm"].to_numpy(np.float64), "norm_b": side_b["norm"].to_numpy(np.float64),
-        "checksum_a": side_a["checksum"].fillna(-1).to_numpy(np.int64),
-    })
+        "norm_a": side_a.values("norm", np.nan), "norm_b": side_b.values("norm", np.nan),
+        "checksum_a": side_a.values("checksum", -1),
+    }, length=len(ia), nullable_ints=("seq_a", "seq_b"))
     for metric in TENSOR_METRICS + STATS_METRICS:
-        rows[metric] = np.nan
-    comparable = rows["pairing"].isin(JUDGED_PAIRINGS).to_numpy()
+        rows[metric] = np.full(len(ia), np.nan)
+    comparable = isin(rows["pairing"], JUDGED_PAIRINGS)
     _fill_stats(rows, side_a, side_b, comparable)
     notes = []
     if a.mode == b.mode == "sample" and a.sample_reader and b.sample_reader:
         notes += _fill_samples(rows, side_a, side_b, comparable, a, b)
     streamed = _fill_tensors(rows, side_a, side_b, comparable, a, b, tracker) if a.mode == b.mode == "tensor" else 0
     tracker.advance(_work(a, b) - streamed)  # the steps, and tensors that had no partner
-    return rows, notes, _stack_lookup(a, ra)
+    return rows, notes, _stack_lookup(a)
 
 
-def _nullable_int(values: pd.Series, present: np.ndarray) -> pd.Series:
-    return pd.Series(np.where(present, values.fillna(0), 0).astype(np.int64), dtype="Int64").mask(~present)
+class _Side:
+    """One side's record of each row, column by column; `missing` where the side has none."""
+
+    def __init__(self, records: Table, rows: np.ndarray):
+        self.records, self.rows = records, rows
+
+    def values(self, column: str, missing: str | float) -> np.ndarray:
+        """The column as text when `missing` is a str, float64 when a float, int64 when an int."""
+        dtype = object if isinstance(missing, str) else np.float64 if isinstance(missing, float) else np.int64
+        return gather(self.records[column], self.rows, missing).astype(dtype)
 
 
-def _text(values: pd.Series) -> np.ndarray:
-    """Strings, "" where the side has no record."""
-    return np.where(values.isna(), "", values.astype(object))
-
-
-def _fill_stats(rows: pd.DataFrame, sa: pd.DataFrame, sb: pd.DataFrame, mask: np.ndarray) -> None:
+def _fill_stats(rows: Table, sa: _Side, sb: _Side, mask: np.ndarray) -> None:
     keys = ("min", "max", "mean", "norm", "numel")
-    errors = stats_metrics({k: sa[k].to_numpy(np.float64) for k in keys}, {k: sb[k].to_numpy(np.float64) for k in keys})
+    errors = stats_metrics({k: sa.values(k, np.nan) for k in keys}, {k: sb.values(k, np.nan) for k in keys})
     for metric, values in errors.items():
-        rows.loc[mask, metric] = values[mask]
+        rows[metric][mask] = values[mask]
     with np.errstate(invalid="ignore"):
-        mismatch = (np.abs(sa["nan_count"].to_numpy(np.float64) - sb["nan_count"].to_numpy(np.float64))
-                    + np.abs(sa["inf_count"].to_numpy(np.float64) - sb["inf_count"].to_numpy(np.float64)))
-    rows.loc[mask, "nan_inf_mismatch"] = mismatch[mask]
-    rows.loc[mask, "evidence"] = "stats"
+        mismatch = (np.abs(sa.values("nan_count", np.nan) - sb.values("nan_count", np.nan))
+                    + np.abs(sa.values("inf_count", np.nan) - sb.values("inf_count", np.nan)))
+    rows["nan_inf_mismatch"][mask] = mismatch[mask]
+    rows["evidence"][mask] = "stats"
 
 
-def _fill_samples(rows, sa, sb, mask, a: Dump, b: Dump) -> list[str]:
+def _fill_samples(rows: Table, sa: _Side, sb: _Side, mask: np.ndarray, a: Dump, b: Dump) -> list[str]:
     notes = []
-    use = mask & (sa["sample_row"].to_numpy(np.float64) >= 0) & (sb["sample_row"].to_numpy(np.float64) >= 0)
-    for step in np.unique(rows["step"].to_numpy()[use]):
-        sel = np.flatnonzero(use & (rows["step"].to_numpy() == step))
+    sample_a, sample_b = sa.values("sample_row", -1), sb.values("sample_row", -1)
+    use = mask & (sample_a >= 0) & (sample_b >= 0)
+    steps = rows["step"]
+    for step in np.unique(steps[use]):
+        sel = np.flatnonzero(use & (steps == step))
         values_a, positions_a = a.sample_reader(int(step))
         values_b, positions_b = b.sample_reader(int(step))
-        row_a, row_b = sa["sample_row"].fillna(-1).to_numpy(np.int64)[sel], sb["sample_row"].fillna(-1).to_numpy(np.int64)[sel]
-        count_a, count_b = sa["sample_count"].fillna(0).to_numpy(np.int64)[sel], sb["sample_count"].fillna(0).to_numpy(np.int64)[sel]
+        row_a, row_b = sample_a[sel], sample_b[sel]
+        count_a, count_b = sa.values("sample_count", 0)[sel], sb.values("sample_count", 0)[sel]
         width = min(values_a.shape[1], values_b.shape[1])
         unused = np.arange(width)[None, :] >= count_a[:, None]
         same = (count_a == count_b) & ((positions_a[row_a, :width] == positions_b[row_b, :width]) | unused).all(axis=1)
@@ -151,61 +175,67 @@ def _fill_samples(rows, sa, sb, mask, a: Dump, b: Dump) -> list[str]:
         va = np.where(unused, np.nan, values_a[row_a, :width])[same]
         vb = np.where(unused, np.nan, values_b[row_b, :width])[same]
         for metric, values in sample_metrics(va, vb).items():
-            rows.loc[sel[same], metric] = values
-        rows.loc[sel[same], "evidence"] = "sample"
+            rows[metric][sel[same]] = values
+        rows["evidence"][sel[same]] = "sample"
     return notes
 
 
-def _fill_tensors(rows, sa, sb, mask, a: Dump, b: Dump, tracker: _Tracker) -> int:
+def _fill_tensors(rows: Table, sa: _Side, sb: _Side, mask: np.ndarray, a: Dump, b: Dump, tracker: _Tracker) -> int:
     """Stream every tensor pair; returns how many."""
-    paths_a, paths_b = _text(sa["tensor"]), _text(sb["tensor"])
+    paths_a, paths_b = sa.values("tensor", ""), sb.values("tensor", "")
     use = np.flatnonzero(mask & (paths_a != "") & (paths_b != ""))
-    steps = rows["step"].to_numpy()
+    steps = rows["step"]
     results = []
     for i in use:
         results.append(tensor_metrics(a.tensor_reader(int(steps[i]), paths_a[i]),
                                       b.tensor_reader(int(steps[i]), paths_b[i])))
         tracker.advance()
     for metric in TENSOR_METRICS:
-        rows.loc[use, metric] = [r[metric] for r in results]
-    rows.loc[use, "evidence"] = "tensor"
+        rows[metric][use] = [r[metric] for r in results]
+    rows["evidence"][use] = "tensor"
     return len(use)
 
 
-def _stack_lookup(dump: Dump, records: pd.DataFrame) -> dict[tuple[int, int], list[str]]:
-    """(step, seq) -> frames of the call, for the culprit report."""
-    calls = records[["step", "seq", "call"]].drop_duplicates()
-    return {(int(s), int(q)): user_frames(dump.stacks.get((int(s), int(c)), []))
-            for s, q, c in calls.itertuples(index=False)}
+def _stack_lookup(dump: Dump) -> Callable[[int, int], list[str]]:
+    """(step, seq) -> user frames of the call, for the culprit report; made when asked (few are)."""
+    records = dump.records
+    call_of = dict(zip(zip(records["step"].tolist(), records["seq"].tolist()), records["call"].tolist()))
+
+    def stack(step: int, seq: int) -> list[str]:
+        call = call_of.get((step, seq))
+        return [] if call is None else user_frames(dump.stacks.get((step, call), []))
+
+    return stack
 
 
 def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str) -> Comparison:
-    rows = pd.concat([p[0] for p in parts], ignore_index=True) if parts else pd.DataFrame(columns=ROW_COLUMNS)
+    rows = Table.concat([p[0] for p in parts])
     notes = [n for dump in list(runs_a.values()) + list(runs_b.values()) for n in dump.notes]
     notes += [n for p in parts for n in p[1]]
-    stacks = {(rank, *key): frames for rank, p in zip(sorted(runs_a), parts) for key, frames in p[2].items()}
+    stack_lookups = dict(zip(sorted(runs_a), (p[2] for p in parts)))  # rank -> (step, seq) -> frames
     sev = severity(rows, thresholds)
     rows["severity"] = sev
-    rows["verdict"] = verdicts(rows, sev, thresholds)
+    rows["verdict"] = verdicts(rows, sev, thresholds).astype(object)
     driven, noise_notes = noise_driven(rows, thresholds)
-    rows.loc[driven, "verdict"] = "warn"
+    rows["verdict"][driven] = "warn"
     notes += noise_notes
     calls = rootcause.call_errors(rows)
     rows["introduced_error"] = _introduced_per_row(rows, calls)
-    stack_of = lambda rank, step, seq: stacks.get((rank, step, seq), [])
+    stack_of = lambda rank, step, seq: stack_lookups[rank](step, seq) if rank in stack_lookups else []
     first_fwd = rootcause.first_divergence(calls, "forward", stack_of)
     first_bwd = rootcause.first_divergence(calls, "backward", stack_of)
     first_a, first_b = runs_a[min(runs_a)], runs_b[min(runs_b)]
     diff = manifest_diff(first_a.manifest, first_b.manifest)
     notes += manifest_notes(diff) + _parameter_notes(rows) + _coverage_notes(rows)
-    failed = bool((rows["verdict"] == "fail").any())
+    verdict, pairing, role, step = rows["verdict"], rows["pairing"], rows["role"], rows["step"]
+    failed = bool((verdict == "fail").any())
     # different initial weights make every later agreement accidental: never "aligned"
-    first_step = rows["step"].min() if len(rows) else 0
+    first_step = step.min() if len(rows) else 0
     weights_differ = any(key == "weights_sha256" and None not in (va, vb) for key, va, vb in diff) or bool(
-        ((rows["role"] == "parameter") & (rows["verdict"] == "fail") & (rows["step"] == first_step)).any())
-    coverage = {"matched": int(rows["pairing"].isin(["matched", "realigned", "shape_mismatch", "dtype_mismatch"]).sum()),
-                "only_a": int((rows["pairing"] == "only_a").sum()), "only_b": int((rows["pairing"] == "only_b").sum())}
-    coverage.update({label: int((rows["pairing"] == label).sum())
+        ((role == "parameter") & (verdict == "fail") & (step == first_step)).any())
+    coverage = {"matched": int(isin(pairing, ["matched", "realigned", "shape_mismatch", "dtype_mismatch"]).sum()),
+                "only_a": int((pairing == "only_a").sum()), "only_b": int((pairing == "only_b").sum())}
+    coverage.update({label: int((pairing == label).sum())
                      for label in ("realigned", "shape_mismatch", "dtype_mismatch")})
     first = first_fwd or first_bwd
     if failed and first is None:
@@ -215,37 +245,36 @@ def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str) -
             notes.append(f"no call has agreeing inputs and differing outputs: the first differing call, {first.name} "
                          f"(step {first.step}), already receives differing inputs (input data, initial weights, "
                          "or an operation that was not dumped differ)")
+    order = np.lexsort((rows["seq_b"], rows["seq_a"], step, rows["rank"]))  # NaN (no record) last
     return Comparison(
         verdict="diverged" if failed or weights_differ else "aligned",
-        rows=rows[ROW_COLUMNS].sort_values(["rank", "step", "seq_a", "seq_b"], kind="stable",
-                                           na_position="last").reset_index(drop=True) if len(rows) else rows.reindex(columns=ROW_COLUMNS),
+        rows=rows.select(ROW_COLUMNS).take(order),
         coverage=coverage, first_divergence=first, culprits=rootcause.culprits(calls, stack_of),
         thresholds=thresholds, source_a=source_a, source_b=source_b,
         metrics_a=first_a.metrics, metrics_b=first_b.metrics, manifest_diff=diff, notes=notes,
         first_divergence_backward=first_bwd)
 
 
-def _introduced_per_row(rows: pd.DataFrame, calls: pd.DataFrame) -> np.ndarray:
+def _introduced_per_row(rows: Table, calls: Table) -> np.ndarray:
     """The call's introduced error on its output rows, NaN elsewhere."""
-    keys = ["rank", "step", "direction", "seq_a"]
-    lookup = rows[keys].astype({"seq_a": "float64"}).merge(
-        calls[keys + ["introduced_error"]].astype({"seq_a": "float64"}), on=keys, how="left")
-    is_output = rows["role"].isin(rootcause.OUTPUT_ROLES).to_numpy()
-    return np.where(is_output, lookup["introduced_error"].to_numpy(np.float64), np.nan)
+    keys = ("rank", "step", "direction")
+    call = lookup([*(rows[k] for k in keys), rows["seq_a"]],
+                  [*(calls[k] for k in keys), calls["seq_a"].astype(np.float64)])
+    return np.where(isin(rows["role"], rootcause.OUTPUT_ROLES), gather(calls["introduced_error"], call, np.nan), np.nan)
 
 
-def _parameter_notes(rows: pd.DataFrame) -> list[str]:
-    params = rows[(rows["role"] == "parameter") & (rows["verdict"] == "fail")]
-    if params.empty:
+def _parameter_notes(rows: Table) -> list[str]:
+    params = np.flatnonzero((rows["role"] == "parameter") & (rows["verdict"] == "fail"))
+    if not len(params):
         return []
     first_step = int(rows["step"].min())
-    step = int(params["step"].min())
-    count = int((params["step"] == step).sum())
+    step = int(rows["step"][params].min())
+    count = int((rows["step"][params] == step).sum())
     what = "initial parameters differ" if step == first_step else "parameters differ"
-    return [f"{what}: {count} parameter tensors fail at step {step} (e.g. {params.iloc[0]['name']})"]
+    return [f"{what}: {count} parameter tensors fail at step {step} (e.g. {rows['name'][params[0]]})"]
 
 
-def _coverage_notes(rows: pd.DataFrame) -> list[str]:
+def _coverage_notes(rows: Table) -> list[str]:
     notes = []
     for label, side in (("only_a", "A"), ("only_b", "B")):
         count = int((rows["pairing"] == label).sum())

@@ -15,47 +15,50 @@ errors of that size.
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 
+from pi0align.compare.table import Groups, Table, gather, isin, lookup
 from pi0align.compare.thresholds import looser_classes
 
 _GRADIENT_ROLES = ("grad_input", "grad_output")
 
 
-def noise_driven(rows: pd.DataFrame, thresholds: dict) -> tuple[np.ndarray, list[str]]:
+def noise_driven(rows: Table, thresholds: dict) -> tuple[np.ndarray, list[str]]:
     """Mask of failing rows that only follow rounding noise, and a note about them."""
     limit = np.array([thresholds[c]["rel_l2_err"] if c else 0.0
                       for c in looser_classes(rows["dtype_a"], rows["dtype_b"]).tolist()])
-    backward = rows["direction"].eq("backward") & rows["role"].isin(_GRADIENT_ROLES)
-    parameter_grad = rows["role"].eq("parameter_grad")
+    role, rank, step = rows["role"], rows["rank"], rows["step"]
+    backward = (rows["direction"] == "backward") & isin(role, _GRADIENT_ROLES)
+    parameter_grad = role == "parameter_grad"
+    norm_a = rows["norm_a"].astype(np.float64)
     reference = np.zeros(len(rows))
-    for mask, keys in ((backward, ["rank", "step", "seq_a"]), (parameter_grad, ["rank", "step", "module"])):
-        grouped = rows.loc[mask, keys].assign(norm=rows.loc[mask, "norm_a"].fillna(0.0))
-        reference[mask.to_numpy()] = grouped.groupby(keys, dropna=False)["norm"].transform("max").to_numpy()
+    for mask, context in ((backward, rows["seq_a"]), (parameter_grad, rows["module"])):
+        groups = Groups(rank[mask], step[mask], context[mask])
+        reference[mask] = groups.max(np.where(np.isnan(norm_a[mask]), 0.0, norm_a[mask]))[groups.codes]
     floor = limit * reference
     with np.errstate(invalid="ignore"):
-        tiny = (rows["norm_a"].to_numpy(np.float64) < floor) & (rows["norm_b"].to_numpy(np.float64) < floor)
-    rounding = tiny & (backward | parameter_grad).to_numpy() & rows["role"].ne("grad_output").to_numpy()
-    failing = rows["verdict"].eq("fail").to_numpy()
+        tiny = (norm_a < floor) & (rows["norm_b"].astype(np.float64) < floor)
+    rounding = tiny & (backward | parameter_grad) & (role != "grad_output")
+    failing = rows["verdict"] == "fail"
     driven = rounding & failing
 
     # parameters updated from a rounding-level gradient at this or an earlier step, and their uses
-    noisy = rows.loc[rounding & parameter_grad.to_numpy(), ["rank", "name", "step"]]
-    first_noisy = noisy.groupby(["rank", "name"])["step"].min()
-    params = rows["role"].eq("parameter").to_numpy() & failing
-    since = pd.MultiIndex.from_frame(rows[["rank", "name"]]).map(first_noisy.to_dict()).to_numpy(np.float64) \
-        if len(first_noisy) else np.full(len(rows), np.nan)
-    params &= rows["step"].to_numpy(np.float64) >= np.nan_to_num(since, nan=np.inf)
+    noisy = rounding & parameter_grad
+    noisy_parameters = Groups(rank[noisy], rows["name"][noisy])
+    first_noisy_step = noisy_parameters.min(step[noisy].astype(np.float64))
+    keys = [rank[noisy][noisy_parameters.first], rows["name"][noisy][noisy_parameters.first]]
+    since = gather(first_noisy_step, lookup([rank, rows["name"]], keys), np.nan)  # NaN: never noisy
+    params = (role == "parameter") & failing
+    params &= step.astype(np.float64) >= np.nan_to_num(since, nan=np.inf)
     driven |= params
-    checksums = rows["checksum_a"].to_numpy(np.int64)
-    same_tensor = set(zip(rows["rank"].to_numpy()[params], rows["step"].to_numpy()[params], checksums[params]))
+    checksums = rows["checksum_a"].astype(np.int64)
+    same_tensor = set(zip(rank[params].tolist(), step[params].tolist(), checksums[params].tolist()))
     if same_tensor:
         uses = np.array([c != -1 and (r, s, c) in same_tensor for r, s, c in
-                         zip(rows["rank"].to_numpy(), rows["step"].to_numpy(), checksums)])
+                         zip(rank.tolist(), step.tolist(), checksums.tolist())], bool)
         driven |= uses & failing
     if not driven.any():
         return driven, []
-    names = sorted(set(rows["name"].to_numpy()[driven]))
+    names = sorted(set(rows["name"][driven].tolist()))
     note = (f"{int(driven.sum())} failing records only follow rounding noise (gradients that are zero in exact "
             f"arithmetic, the parameters they update, and their uses); judged warn: {', '.join(names[:3])}"
             + (f" and {len(names) - 3} more" if len(names) > 3 else ""))

@@ -11,21 +11,25 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
-import pandas as pd
 
-from pi0align.compare.records import RECORD_COLUMNS, Dump, call_site
+from pi0align.compare.records import Dump, call_site, no_metrics, no_records
+from pi0align.compare.table import Table
 from pi0align.errors import UserError
 
 _MODES = {"statistics": "stats", "tensor": "tensor"}
 _FRAME = re.compile(r"File (?P<file>.*?), line (?P<line>\d+), in (?P<func>[^,\n]+)")
 _PARAMETER_CALLS = 1 << 40  # call ids of parameters: after every real call, in first-seen order
 _RANK_DIR = re.compile(r"^(rank|proc)(\d*)$")
+_STATISTICS_FIELDS = ("Min", "Max", "Mean", "Norm")
+_STATISTICS = operator.itemgetter(*_STATISTICS_FIELDS)
+_SHAPE, _DTYPE = operator.itemgetter("shape"), operator.itemgetter("dtype")  # every tensor entry has both
 
 
 def is_msprobe_path(path: Path) -> bool:
@@ -71,7 +75,7 @@ def _load_json(path: Path) -> Any:
 
 
 def _read_rank(root: Path, rank: int, folders: list[tuple[int, Path]]) -> Dump:
-    rows, stacks, modes = [], {}, set()
+    tables, stacks, modes = [], {}, set()
     for step, folder in sorted(folders):
         dump = _load_json(folder / "dump.json")
         if not isinstance(dump, dict) or not isinstance(dump.get("data"), dict):
@@ -85,16 +89,14 @@ def _read_rank(root: Path, rank: int, folders: list[tuple[int, Path]]) -> Dump:
         modes.add(_MODES[task])
         construct = _load_json(folder / "construct.json") if (folder / "construct.json").exists() else {}
         frames = _read_stacks(folder / "stack.json") if (folder / "stack.json").exists() else {}
-        tensor_dir = folder / "dump_tensor_data"
-        step_rows, step_stacks = _records(dump["data"], construct or {}, frames, step, rank, tensor_dir)
-        rows.extend(step_rows)
-        stacks.update(step_stacks)
-    records = pd.DataFrame(rows, columns=RECORD_COLUMNS)
+        step_records = _StepRecords(step, construct or {}, frames)
+        step_records.read(dump["data"])
+        tables.append(step_records.table(rank, folder / "dump_tensor_data"))
+        stacks.update(step_records.stacks)
     mode = "tensor" if modes == {"tensor"} else "stats"
-
-    return Dump(source=str(root), mode=mode, rank=rank, records=records,
-                metrics=pd.DataFrame(columns=["step", "loss", "grad_norm", "lr"]),
-                manifest={}, stacks=stacks, tensor_reader=lambda step, tensor: _load_tensor(Path(tensor)))
+    return Dump(source=str(root), mode=mode, rank=rank, records=Table.concat(tables) if tables else no_records(),
+                metrics=no_metrics(), manifest={}, stacks=stacks,
+                tensor_reader=lambda step, tensor: _load_tensor(Path(tensor)))
 
 
 def _load_tensor(path: Path):
@@ -106,7 +108,7 @@ def _load_tensor(path: Path):
     return tensor.float().numpy() if tensor.is_floating_point() else tensor.numpy()
 
 
-def _read_stacks(path: Path) -> dict[str, list[str]]:
+def _read_stacks(path: Path) -> dict[str, tuple[str, ...]]:
     """call key -> frames innermost last. Accepts both stack.json layouts msprobe has written."""
     raw = _load_json(path)
     result = {}
@@ -122,9 +124,9 @@ def _read_stacks(path: Path) -> dict[str, list[str]]:
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _frames(raw: tuple[str, ...]) -> list[str]:
+def _frames(raw: tuple[str, ...]) -> tuple[str, ...]:
     """msprobe's frames ("File f, line n, in func, \\n code", innermost first) -> ours, innermost last."""
-    return [_frame(f) for f in reversed(raw)]
+    return tuple(_frame(f) for f in reversed(raw))
 
 
 def _frame(text: str) -> str:
@@ -134,18 +136,21 @@ def _frame(text: str) -> str:
 
 def _parse_key(key: str) -> tuple[str, str, str, str]:
     """msprobe key -> (api, module path for Module calls else "", direction, forward key)."""
-    parts = key.split(".")
-    if parts[0] == "Module" and len(parts) >= 5:
+    if key.startswith("Module.") and key.count(".") >= 4:
+        parts = key.split(".")
         direction = {"parameters_grad": "parameter"}.get(parts[-2], parts[-2])
         forward_key = ".".join(parts[:-2] + ["forward", parts[-1]])
         return f"Module.{parts[-3]}", ".".join(parts[1:-3]), direction, forward_key
-    if len(parts) >= 3 and parts[-1] in ("forward", "backward"):
-        return ".".join(parts[:-2]), "", parts[-1], ".".join(parts[:-1] + ["forward"])
+    head, _, direction = key.rpartition(".")  # `<api>.<k>.<direction>`
+    if direction in ("forward", "backward") and "." in head:
+        return head.rpartition(".")[0], "", direction, key if direction == "forward" else head + ".forward"
     return key, "", "forward", key
 
 
 def _tensors(value: Any) -> list[dict]:
     """Tensor entries of an argument, flattened depth-first (non-tensors skipped)."""
+    if not value:
+        return []
     if isinstance(value, dict):
         if "dtype" in value and "shape" in value:
             return [value] if str(value.get("type", "torch.Tensor")).endswith("Tensor") else []
@@ -169,68 +174,124 @@ def _number(value: Any) -> float:
         return float("nan")
 
 
-def _records(data: dict, construct: dict, frames: dict, step: int, rank: int, tensor_dir: Path):
-    rows, stacks = [], {}
-    names: dict[str, str] = {}
-    counts: dict[tuple[str, str], int] = {}
-    parameter_calls: dict[str, int] = {}  # a parameter and its gradient form one call, as in our dumps
-    parameter_roles: set[tuple[str, str]] = set()
-    call = 0
+class _StepRecords:
+    """The records of one step's dump.json, gathered with as little work per tensor as possible.
 
-    def add_parameter(own_path, pname, role, entry, stack_key):
+    Per call: its id, name, module, API, direction and call site; per group of tensors of one call
+    and role: the call, the role, how many; per tensor: msprobe's entry, whose fields are read in
+    bulk at the end. A parameter (and its gradient) is a call of its own, numbered after every
+    real call, as in our dumps.
+    """
+
+    def __init__(self, step: int, construct: dict, frames: dict[str, tuple[str, ...]]):
+        self.step, self.construct, self.frames = step, construct, frames
+        self.stacks: dict[tuple[int, int], tuple[str, ...]] = {}
+        self.calls: list[tuple[int, str, str, str, str, str]] = []  # id, name, module, api, direction, site
+        self.groups: list[tuple[int, str, int]] = []  # position in self.calls, role, count
+        self.entries: list[dict] = []
+        self._forward_names: dict[str, str] = {}
+        self._counts: dict[tuple[str, str], int] = {}
+        self._parameter_calls: dict[str, int] = {}  # a parameter and its gradient form one call
+        self._parameter_roles: set[tuple[str, str]] = set()
+
+    def read(self, data: dict) -> None:
+        call = 0
+        for key, entry in data.items():
+            api, own_path, direction, forward_key = _parse_key(key)
+            module = own_path if api.startswith("Module.") else _module_of(self.construct.get(forward_key))
+            if direction == "parameter":
+                for pname, value in entry.items():
+                    self._add_parameter(own_path, pname, "parameter_grad", value, key)
+                continue
+            name = self._forward_names.get(forward_key)
+            if name is None:
+                k = self._counts.get((module, api), 0)
+                self._counts[(module, api)] = k + 1
+                name = self._forward_names[forward_key] = f"{module}/{api}#{k}"
+            frames = self.frames.get(key, ())
+            self.stacks[(self.step, call)] = frames
+            self.calls.append((call, name, module, api, direction, call_site(frames)))
+            if direction == "forward":
+                self._add_tensors("input", _tensors(entry.get("input_args")) + _tensors(entry.get("input_kwargs")))
+                self._add_tensors("output", _tensors(entry.get("output")))
+            else:
+                self._add_tensors("grad_output", _tensors(entry.get("input")))
+                self._add_tensors("grad_input", _tensors(entry.get("output")))
+            call += 1
+            for pname, value in (entry.get("parameters") or {}).items():
+                self._add_parameter(own_path, pname, "parameter", value, key)
+
+    def _add_tensors(self, role: str, tensors: list[dict]) -> None:
+        """Tensors of the call added last."""
+        if tensors:
+            self.groups.append((len(self.calls) - 1, role, len(tensors)))
+            self.entries += tensors
+
+    def _add_parameter(self, own_path: str, pname: str, role: str, value: Any, stack_key: str) -> None:
+        tensors = _tensors(value)[:1]
         name = f"{own_path}.{pname}/Parameter#0"
-        if (name, role) in parameter_roles:
+        if not tensors or (name, role) in self._parameter_roles:
             return
-        parameter_roles.add((name, role))
-        parameter_call = parameter_calls.setdefault(name, _PARAMETER_CALLS + len(parameter_calls))
-        add(name, own_path, "Parameter", "parameter", role, 0, entry, stack_key, parameter_call)
+        self._parameter_roles.add((name, role))
+        call = self._parameter_calls.setdefault(name, _PARAMETER_CALLS + len(self._parameter_calls))
+        self.calls.append((call, name, own_path, "Parameter", "parameter", call_site(self.frames.get(stack_key, ()))))
+        self._add_tensors(role, tensors)
 
-    sites: dict[str, str] = {}
-
-    def add(name, module, api, direction, role, arg_index, entry, stack_key, call_id=None):
-        call_id = call if call_id is None else call_id
-        shape = [int(s) for s in entry.get("shape") or []]
-        data_name = entry.get("data_name")
-        if stack_key not in sites:
-            sites[stack_key] = call_site(frames.get(stack_key, []))
-        rows.append([rank, step, call_id, call_id, name, module, api, direction, role, arg_index,
-                     str(entry.get("dtype", "")).removeprefix("torch."), "[" + ", ".join(map(str, shape)) + "]",
-                     math.prod(shape),
-                     _number(entry.get("Min")), _number(entry.get("Max")), _number(entry.get("Mean")),
-                     _number(entry.get("Norm")), np.nan, np.nan, sites[stack_key],
-                     str(tensor_dir / data_name) if data_name else "", -1, 0, -1])
-
-    for key, entry in data.items():
-        api, own_path, direction, forward_key = _parse_key(key)
-        module = own_path if api.startswith("Module.") else _module_of(construct.get(forward_key))
-        if direction == "parameter":
-            for pname, value in entry.items():
-                for t in _tensors(value)[:1]:
-                    add_parameter(own_path, pname, "parameter_grad", t, key)
-            continue
-        if forward_key not in names:
-            k = counts.get((module, api), 0)
-            counts[(module, api)] = k + 1
-            names[forward_key] = f"{module}/{api}#{k}"
-        name = names[forward_key]
-        stacks[(step, call)] = frames.get(key, [])
-        if direction == "forward":
-            roles = [("input", entry.get("input_args", [])), ("input", entry.get("input_kwargs", {})),
-                     ("output", entry.get("output", []))]
-        else:
-            roles = [("grad_output", entry.get("input", [])), ("grad_input", entry.get("output", []))]
-        index = {"input": 0, "output": 0, "grad_output": 0, "grad_input": 0}
-        for role, value in roles:
-            for t in _tensors(value):
-                add(name, module, api, direction, role, index[role], t, key)
-                index[role] += 1
-        call += 1
-        for pname, value in (entry.get("parameters") or {}).items():
-            for t in _tensors(value)[:1]:
-                add_parameter(own_path, pname, "parameter", t, key)
-    return rows, stacks
+    def table(self, rank: int, tensor_dir: Path) -> Table:
+        """The records, RECORD_COLUMNS."""
+        entries, n = self.entries, len(self.entries)
+        owners, roles, counts = (list(column) for column in zip(*self.groups)) if self.groups else ([], [], [])
+        counts = np.array(counts, np.int64)
+        of_call = np.repeat(np.array(owners, np.int64), counts)
+        arg_index = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)  # 0, 1, ... within a group
+        calls = [np.array(column, object) for column in zip(*self.calls)] if self.calls else [np.zeros(0, object)] * 6
+        call_ids, names, modules, apis, directions, sites = (column[of_call] for column in calls)
+        shapes, numels = _shapes(list(map(_SHAPE, entries)))
+        data_names = [entry.get("data_name") for entry in entries]  # tensor mode: the tensor's file
+        return Table({
+            "rank": np.full(n, rank, np.int64), "step": np.full(n, self.step, np.int64),
+            "call": call_ids.astype(np.int64), "seq": call_ids.astype(np.int64), "name": names, "module": modules,
+            "api": apis, "direction": directions, "role": np.repeat(np.array(roles, object), counts),
+            "arg_index": arg_index, "dtype": _dtypes(list(map(_DTYPE, entries))), "shape": shapes, "numel": numels,
+            **dict(zip(("min", "max", "mean", "norm"), _statistics(entries).T)),
+            "nan_count": np.full(n, np.nan), "inf_count": np.full(n, np.nan), "stack": sites,
+            "tensor": np.array([str(tensor_dir / d) if d else "" for d in data_names], object),
+            "sample_row": np.full(n, -1, np.int64), "sample_count": np.zeros(n, np.int64),
+            "checksum": np.full(n, -1, np.int64),
+        }, length=n)
 
 
+def _statistics(entries: list[dict]) -> np.ndarray:
+    """(n, 4) float64: msprobe's Min, Max, Mean, Norm of each tensor, NaN where one is not a number."""
+    try:
+        return np.array(list(map(_STATISTICS, entries)), np.float64).reshape(len(entries), 4)
+    except (KeyError, TypeError, ValueError):  # a statistic missing, or not a number: one by one
+        return np.array([[_number(e.get(field)) for field in _STATISTICS_FIELDS] for e in entries],
+                        np.float64).reshape(len(entries), 4)
+
+
+def _shapes(shapes: list) -> tuple[np.ndarray, np.ndarray]:
+    """msprobe's shapes as our text ("[2, 3]") and element counts; each distinct shape parsed once."""
+    distinct, codes = _factorize([tuple(shape or ()) for shape in shapes])
+    dims = [[int(s) for s in shape] for shape in distinct]
+    texts = np.array(["[" + ", ".join(map(str, d)) + "]" for d in dims], object)
+    return texts[codes], np.array([math.prod(d) for d in dims], np.int64)[codes]
+
+
+def _dtypes(dtypes: list) -> np.ndarray:
+    """`torch.float32` -> `float32`, each distinct name converted once."""
+    distinct, codes = _factorize(dtypes)
+    return np.array([str(d).removeprefix("torch.") for d in distinct], object)[codes]
+
+
+def _factorize(keys: list) -> tuple[list, np.ndarray]:
+    """The distinct keys in order of first appearance, and the position of each key among them."""
+    distinct = list(dict.fromkeys(keys))
+    index = {key: code for code, key in enumerate(distinct)}
+    return distinct, np.fromiter(map(index.__getitem__, keys), np.int64, len(keys))
+
+
+@functools.lru_cache(maxsize=1 << 14)  # calls of one module share their parent
 def _module_of(parent: str | None) -> str:
     """Module path of a construct.json parent node such as `Module.model.layers.0.Linear.forward.0`."""
     if not parent:

@@ -7,9 +7,17 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-import pandas as pd
 
-from pi0align.compare.records import RECORD_COLUMNS, Bfloat16Array, Dump, call_site
+from pi0align.compare.records import (
+    METRIC_COLUMNS,
+    RECORD_COLUMNS,
+    Bfloat16Array,
+    Dump,
+    call_site,
+    no_metrics,
+    no_records,
+)
+from pi0align.compare.table import Table, lookup
 from pi0align.errors import UserError
 
 FORMAT = "pi0align-dump"
@@ -59,9 +67,14 @@ def _read(f: h5py.File, path: Path, steps: set[int] | None) -> Dump:
             notes.append(f"{path.name}: step {step} is incomplete (run stopped while writing it); skipped")
             continue
         table, step_stacks = _step_records(group, step, rank, frames_of)
+        if "tensors" in group and group.get("tensors") is None:  # the link leads to no file (yet)
+            table["tensor"] = np.full(len(table), "", dtype=object)
+            missing = group.get("tensors", getlink=True).filename
+            notes.append(f"{path.name}: step {step}'s full tensors are missing ({missing} not written: the run "
+                         "ended first, or its writer is still at work); compared on statistics")
         tables.append(table)
         stacks.update(step_stacks)
-    records = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=RECORD_COLUMNS)
+    records = Table.concat(tables) if tables else no_records()
 
     def tensor_reader(step: int, tensor: str):
         ds = f["steps"][f"{step:06d}"][tensor]
@@ -86,17 +99,21 @@ def _column(group: h5py.Group, name: str) -> np.ndarray:
 
 
 def _step_records(group: h5py.Group, step: int, rank: int, frames_of: dict[int, list[str]]):
-    calls = pd.DataFrame({c: _column(group["calls"], c) for c in _CALL_COLUMNS})
-    records = pd.DataFrame({c: _column(group["records"], c) for c in _RECORD_COLUMNS})
+    calls = {c: _column(group["calls"], c) for c in _CALL_COLUMNS}
+    records = Table({c: _column(group["records"], c) for c in _RECORD_COLUMNS})
+    if len(np.unique(calls["call_id"])) != len(calls["call_id"]):
+        raise ValueError("call ids repeat")
+    of_call = lookup([records["call_id"]], [calls["call_id"]])
+    if (of_call < 0).any():
+        raise ValueError("records of calls that are not listed")
+    for c in ("seq", "name", "module", "api", "direction"):
+        records[c] = calls[c][of_call]
     records["sample_row"] = np.arange(len(records)) if "samples" in group else -1
-    merged = records.merge(calls, on="call_id", how="left", validate="many_to_one")
-    merged["call"] = merged["call_id"]
-    merged["step"], merged["rank"] = step, rank
+    records["call"], records["step"], records["rank"] = records["call_id"], step, rank
     site = {sid: call_site(frames) for sid, frames in frames_of.items()}
-    stack = merged["stack_id"].map(site)
-    merged["stack"] = np.where(stack.isna(), "", stack.astype(object))
+    records["stack"] = np.array([site.get(int(s), "") for s in calls["stack_id"]], object)[of_call]
     step_stacks = {(step, int(c)): frames_of.get(int(s), []) for c, s in zip(calls["call_id"], calls["stack_id"])}
-    return merged[RECORD_COLUMNS], step_stacks
+    return records.select(RECORD_COLUMNS), step_stacks
 
 
 def _stacks(f: h5py.File) -> dict[int, list[str]]:
@@ -107,11 +124,10 @@ def _stacks(f: h5py.File) -> dict[int, list[str]]:
     return {int(i): json.loads(fr) for i, fr in zip(ids, frames)}
 
 
-def _metrics(f: h5py.File) -> pd.DataFrame:
-    columns = ("step", "loss", "grad_norm", "lr")
+def _metrics(f: h5py.File) -> Table:
     if "metrics" not in f:
-        return pd.DataFrame(columns=list(columns))
-    return pd.DataFrame({c: f["metrics"][c][()] for c in columns if c in f["metrics"]})
+        return no_metrics()
+    return Table({c: f["metrics"][c][()] for c in METRIC_COLUMNS if c in f["metrics"]})
 
 
 def _manifest(f: h5py.File) -> dict:

@@ -1,24 +1,31 @@
 """The one in-memory shape every reader produces: a `Dump` (one rank), whatever the file format.
 
-`records` holds one row per captured tensor with the columns in RECORD_COLUMNS; tensor and sample
-values stay on disk and are fetched on demand through the Dump's accessors, so memory stays
-bounded however large the dump.
+`records` holds one row per captured tensor with the columns in RECORD_COLUMNS (a `Table` of numpy
+columns); tensor and sample values stay on disk and are fetched on demand through the Dump's
+accessors, so memory stays bounded however large the dump.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
-import pandas as pd
+
+from pi0align.compare.table import Table
 
 RECORD_COLUMNS = [
     "rank", "step", "call", "seq", "name", "module", "api", "direction", "role", "arg_index",
     "dtype", "shape", "numel", "min", "max", "mean", "norm", "nan_count", "inf_count",
     "stack", "tensor", "sample_row", "sample_count", "checksum",  # checksum -1 when unknown
 ]
+
+_TEXT_COLUMNS = {"name", "module", "api", "direction", "role", "dtype", "shape", "stack", "tensor"}
+_FLOAT_COLUMNS = {"min", "max", "mean", "norm", "nan_count", "inf_count"}
+
+METRIC_COLUMNS = ("step", "loss", "grad_norm", "lr")  # one row per training step
 
 INPUT_ROLES = ("input", "grad_output")  # what flows into a call (forward / backward)
 OUTPUT_ROLES = ("output", "grad_input")  # what flows out of it
@@ -35,16 +42,27 @@ class Dump:
     source: str
     mode: str  # "stats" | "sample" | "tensor"
     rank: int
-    records: pd.DataFrame  # RECORD_COLUMNS
-    metrics: pd.DataFrame  # step, loss, grad_norm, lr
+    records: Table  # RECORD_COLUMNS
+    metrics: Table  # step, loss, grad_norm, lr
     manifest: dict[str, Any]
-    stacks: dict[tuple[int, int], list[str]] = field(default_factory=dict)  # (step, call) -> frames
+    stacks: dict[tuple[int, int], Sequence[str]] = field(default_factory=dict)  # (step, call) -> frames
     # (step, record's `tensor` column) -> array-like with .shape and slicing (h5py dataset, memmap)
     tensor_reader: Callable[[int, str], Any] | None = None
     # (step) -> (values, positions) float64 / int64 arrays, shape (n_records_of_step, sample_size)
     sample_reader: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None
     notes: list[str] = field(default_factory=list)
     close: Callable[[], None] = lambda: None
+
+
+def no_records() -> Table:
+    """A records table without rows, its columns of the types readers give them."""
+    kind = lambda c: object if c in _TEXT_COLUMNS else np.float64 if c in _FLOAT_COLUMNS else np.int64
+    return Table({c: np.zeros(0, kind(c)) for c in RECORD_COLUMNS})
+
+
+def no_metrics() -> Table:
+    """The training metrics of a dump that has none (msprobe's never do)."""
+    return Table({c: np.zeros(0, object) for c in METRIC_COLUMNS})
 
 
 def user_frames(frames: list[str] | tuple[str, ...]) -> list[str]:

@@ -1,14 +1,19 @@
 """The result of comparing two dumps, as plain data: what `report` renders.
 
 No torch here, and no logic beyond trivial accessors: `compare` fills it, `report` reads it.
+Its tables (`rows`, `metrics_a`, `metrics_b`) are held as numpy columns and read as pandas
+DataFrames, made on first read: comparing and reporting never import pandas.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
+from pi0align.compare.table import Table
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 # Columns of Comparison.rows, in this order. One row per aligned pair of tensors, or per record
 # found on one side only. `a` is the benchmark (B, e.g. GPU), `b` the run under test (N, e.g. NPU).
@@ -52,20 +57,48 @@ class Culprit(CallRef):
     metric: str = "rel_l2_err"  # which error measure introduced_error is a ratio of
 
 
+class TableField:
+    """A dataclass field set to a Table or a pandas DataFrame and read as a DataFrame.
+
+    A Table is turned into a DataFrame on first read, which then replaces it: changes made to the
+    DataFrame are what `Comparison.table()` and the reports see.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: Any, owner: type | None = None) -> pd.DataFrame:
+        if instance is None:
+            raise AttributeError(self.name)  # no class-level default: the field is required
+        value = instance.__dict__[self.name]
+        if isinstance(value, Table):
+            value = instance.__dict__[self.name] = value.to_pandas()
+        return value
+
+    def __set__(self, instance: Any, value: Table | pd.DataFrame) -> None:
+        instance.__dict__[self.name] = value
+
+
 @dataclass
 class Comparison:
     """Everything one `pi0align compare` found."""
 
     verdict: str  # "aligned" | "diverged"
-    rows: pd.DataFrame  # columns ROW_COLUMNS
+    rows: pd.DataFrame = TableField()  # columns ROW_COLUMNS
     coverage: dict[str, int]  # {"matched": n, "only_a": n, "only_b": n}
     first_divergence: CallRef | None
     culprits: list[Culprit]  # earliest step first, most guilty first within a step
     thresholds: dict[str, dict[str, float]]  # per dtype: metric -> threshold
     source_a: str
     source_b: str
-    metrics_a: pd.DataFrame  # per training step: step, loss, grad_norm, lr
-    metrics_b: pd.DataFrame
+    metrics_a: pd.DataFrame = TableField()  # per training step: step, loss, grad_norm, lr
+    metrics_b: pd.DataFrame = TableField()
     manifest_diff: list[tuple[str, Any, Any]]  # (dotted key, value in a, value in b)
     notes: list[str] = field(default_factory=list)  # e.g. "initial weights differ"
     first_divergence_backward: CallRef | None = None  # the same search over backward calls
+
+    def table(self, name: str = "rows") -> Table:
+        """`rows`, `metrics_a` or `metrics_b` as a Table, without pandas unless a DataFrame is
+        already there (then its current content)."""
+        value = self.__dict__[name]
+        return value if isinstance(value, Table) else Table.from_pandas(value)

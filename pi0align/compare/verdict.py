@@ -3,26 +3,26 @@
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 
 from pi0align.compare.metrics import relative
+from pi0align.compare.table import Table, isin
 from pi0align.compare.thresholds import JUDGED_ERRORS, looser_classes
 
 JUDGED_PAIRINGS = ("matched", "realigned", "dtype_mismatch")  # shape mismatches cannot be compared
 
 
-def severity(rows: pd.DataFrame, thresholds: dict) -> np.ndarray:
+def severity(rows: Table, thresholds: dict) -> np.ndarray:
     """Largest judged error over its limit per row (> 1 fails); NaN when nothing was judged.
     A pair of two dtypes is judged by the looser one's thresholds."""
     result = np.full(len(rows), np.nan)
-    judged = rows["pairing"].isin(JUDGED_PAIRINGS).to_numpy()
+    judged = isin(rows["pairing"], JUDGED_PAIRINGS)
     classes = np.where(judged, looser_classes(rows["dtype_a"], rows["dtype_b"]), "")
     for cls in set(classes[judged]):
         mask = classes == cls
         limits = thresholds[cls]
-        ratios = [relative(rows.loc[mask, m].to_numpy(np.float64), np.full(mask.sum(), limits[m]))
+        ratios = [relative(rows[m][mask].astype(np.float64), np.full(mask.sum(), limits[m]))
                   for m in JUDGED_ERRORS]
-        ratios.append(relative(1.0 - rows.loc[mask, "cosine"].to_numpy(np.float64),
+        ratios.append(relative(1.0 - rows["cosine"][mask].astype(np.float64),
                                np.full(mask.sum(), 1.0 - limits["cosine"])))
         stacked = np.vstack(ratios)
         with np.errstate(invalid="ignore"):
@@ -32,7 +32,7 @@ def severity(rows: pd.DataFrame, thresholds: dict) -> np.ndarray:
     return result
 
 
-def verdicts(rows: pd.DataFrame, severities: np.ndarray, thresholds: dict) -> np.ndarray:
+def verdicts(rows: Table, severities: np.ndarray, thresholds: dict) -> np.ndarray:
     warn_fraction = {cls: limits["warn_fraction"] for cls, limits in thresholds.items()}
     classes = looser_classes(rows["dtype_a"], rows["dtype_b"])
     warn_at = np.array([warn_fraction.get(cls, np.nan) for cls in classes.tolist()], dtype=np.float64)

@@ -5,7 +5,17 @@ No torch here: reports are made on a laptop that has only the dumps.
 """
 
 from pi0align.report.console import print_summary, progress_bar
-from pi0align.report.html import default_html_path, plotly_js, write_html
 from pi0align.report.tables import write_csv, write_json
 
+_HTML = ("default_html_path", "plotly_js", "write_html")
+
 __all__ = ["default_html_path", "plotly_js", "print_summary", "progress_bar", "write_csv", "write_html", "write_json"]
+
+
+def __getattr__(name: str):
+    # Lazy: the HTML report's Jinja2 is imported only when an HTML report is written.
+    if name in _HTML:
+        from pi0align.report import html
+
+        return getattr(html, name)
+    raise AttributeError(f"module 'pi0align.report' has no attribute {name!r}")

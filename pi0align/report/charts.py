@@ -6,13 +6,14 @@ is exactly what the browser receives.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
-import pandas as pd
 
 from pi0align.compare.records import OUTPUT_ROLES, PARAMETER_ROLES
 from pi0align.compare.result import Comparison
+from pi0align.compare.table import Table, isin
 from pi0align.report.summary import json_safe
 
 # A log axis cannot show 0: exact agreement is drawn at this floor, below any float64 rounding.
@@ -24,17 +25,19 @@ CHART_DIGITS = 4
 VISIBLE_STEPS = 3
 
 
-def headline_error(rows: pd.DataFrame) -> pd.Series:
+def headline_error(rows: Table) -> np.ndarray:
     """One error per row to plot: relative L2 error where tensors or samples exist, else the norm's.
 
     The norm's relative error, not the mean's: a near-zero mean makes any relative error huge.
     """
-    return rows["rel_l2_err"].astype("float64").fillna(rows["norm_rel_err"].astype("float64"))
+    rel_l2 = rows["rel_l2_err"].astype(np.float64)
+    return np.where(np.isnan(rel_l2), rows["norm_rel_err"].astype(np.float64), rel_l2)
 
 
-def execution_order(rows: pd.DataFrame) -> pd.Series:
+def execution_order(rows: Table) -> np.ndarray:
     """Position of each row in its step: the benchmark's sequence number, B's where A lacks it."""
-    return rows["seq_a"].astype("Float64").fillna(rows["seq_b"].astype("Float64")).astype("float64")
+    seq_a = rows["seq_a"].astype(np.float64)
+    return np.where(np.isnan(seq_a), rows["seq_b"].astype(np.float64), seq_a)
 
 
 def error_by_step_figure(comparison: Comparison, top: int) -> dict[str, Any] | None:
@@ -43,31 +46,37 @@ def error_by_step_figure(comparison: Comparison, top: int) -> dict[str, Any] | N
     One point per call: the largest error among its outputs (or its parameter and gradient), over
     all ranks. Its inputs are earlier calls' outputs, so plotting them too would only zigzag the line.
     """
-    rows = comparison.rows
-    rows = rows[rows["role"].isin(OUTPUT_ROLES + PARAMETER_ROLES)]
-    frame = pd.DataFrame({
-        "step": rows["step"].to_numpy(),
-        "name": rows["name"].astype(str).to_numpy(),
-        "direction": rows["direction"].astype(str).to_numpy(),
-        "order": execution_order(rows).to_numpy(),
-        "error": headline_error(rows).to_numpy(),
-    }).dropna(subset=["error", "order"])
-    if frame.empty:
+    rows = comparison.table()
+    rows = rows.take(isin(rows["role"], OUTPUT_ROLES + PARAMETER_ROLES))
+    points = Table({
+        "step": rows["step"], "name": rows["name"], "direction": rows["direction"],
+        "order": execution_order(rows), "error": headline_error(rows),
+    }, length=len(rows))
+    points = points.take(~np.isnan(points["error"]) & ~np.isnan(points["order"]))
+    if not len(points):
         return None
-    frame = frame.loc[frame.groupby(["step", "order"])["error"].idxmax()].sort_values(["step", "order"])
+    # the call's largest error (its first row, among equals), in order of step and position
+    largest = np.lexsort((-points["error"], points["order"], points["step"]))
+    step, order = points["step"][largest], points["order"][largest]
+    points = points.take(largest[np.r_[True, (step[1:] != step[:-1]) | (order[1:] != order[:-1])]])
     # Rounded: the page carries one point per call, and a chart needs no 17-digit floats.
-    frame["shown"] = [float(f"{value:.{CHART_DIGITS}g}") for value in np.maximum(frame["error"].to_numpy(), ZERO_FLOOR)]
-    visible = set(sorted(frame["step"].unique())[:VISIBLE_STEPS])
+    points["shown"] = np.array([float(f"{value:.{CHART_DIGITS}g}")
+                                for value in np.maximum(points["error"], ZERO_FLOOR).tolist()])
+    steps = np.unique(points["step"])
+    visible = set(steps[:VISIBLE_STEPS].tolist())
     visible.update(culprit.step for culprit in comparison.culprits[:1])
     traces = []
-    for step, part in frame.groupby("step", sort=True):
+    for step in steps.tolist():
+        part = points["step"] == step
+        count = int(part.sum())
         traces.append({
             "type": "scatter", "name": f"step {step}", "visible": True if step in visible else "legendonly",
-            "x": part["order"].astype(int).tolist(), "y": part["shown"].tolist(), "text": part["name"].tolist(),
-            "mode": "lines" if len(part) > MARKER_LIMIT else "lines+markers", "marker": {"size": 4},
+            "x": points["order"][part].astype(int).tolist(), "y": points["shown"][part].tolist(),
+            "text": points["name"][part].tolist(),
+            "mode": "lines" if count > MARKER_LIMIT else "lines+markers", "marker": {"size": 4},
             "hovertemplate": "%{text}<br>seq %{x} · error %{y:.3g}<extra>step " + str(step) + "</extra>",
         })
-    culprit_points = _culprit_points(comparison, frame, top)
+    culprit_points = _culprit_points(comparison, points, top)
     if culprit_points is not None:
         traces.append(culprit_points)
     return {
@@ -82,20 +91,20 @@ def error_by_step_figure(comparison: Comparison, top: int) -> dict[str, Any] | N
     }
 
 
-def _culprit_points(comparison: Comparison, frame: pd.DataFrame, top: int) -> dict[str, Any] | None:
+def _culprit_points(comparison: Comparison, points: Table, top: int) -> dict[str, Any] | None:
     """Red markers on the largest error out of each of the `top` culprits, with their place in the list."""
-    points = []
+    marks = []
     for place, culprit in enumerate(comparison.culprits[:top], start=1):
         # backward records reuse the forward call's name: the direction tells them apart
-        records = frame[(frame["step"] == culprit.step) & (frame["name"] == culprit.name)
-                        & (frame["direction"] == culprit.direction)]
-        if not records.empty:
-            worst = records.loc[records["error"].idxmax()]
+        records = np.flatnonzero((points["step"] == culprit.step) & (points["name"] == culprit.name)
+                                 & (points["direction"] == culprit.direction))
+        if len(records):
+            worst = records[np.argmax(points["error"][records])]
             label = f"#{place} {culprit.name} (introduced {culprit.introduced_error:.3g})"
-            points.append((int(worst["order"]), worst["shown"], label))
-    if not points:
+            marks.append((int(points["order"][worst]), float(points["shown"][worst]), label))
+    if not marks:
         return None
-    x, y, text = zip(*points)
+    x, y, text = zip(*marks)
     return {
         "type": "scatter", "name": "culprits", "mode": "markers", "x": list(x), "y": list(y), "text": list(text),
         "marker": {"color": "red", "size": 11, "symbol": "x"}, "hovertemplate": "%{text}<extra></extra>",
@@ -105,12 +114,12 @@ def _culprit_points(comparison: Comparison, frame: pd.DataFrame, top: int) -> di
 def training_curve_figure(comparison: Comparison, column: str, title: str) -> dict[str, Any] | None:
     """One training metric (loss, grad_norm, lr) of both runs against the step; B dashed, so that
     two runs that agree still show both lines."""
-    runs = (("A " + comparison.source_a, comparison.metrics_a, "solid"),
-            ("B " + comparison.source_b, comparison.metrics_b, "dash"))
+    runs = (("A " + comparison.source_a, comparison.table("metrics_a"), "solid"),
+            ("B " + comparison.source_b, comparison.table("metrics_b"), "dash"))
     traces = [
         {"type": "scatter", "mode": "lines+markers", "name": label, "marker": {"size": 4}, "line": {"dash": dash},
          "x": metrics["step"].tolist(), "y": metrics[column].tolist()}
-        for label, metrics, dash in runs if column in metrics and metrics[column].notna().any()
+        for label, metrics, dash in runs if column in metrics and _any_value(metrics[column])
     ]
     if not traces:
         return None
@@ -121,3 +130,10 @@ def training_curve_figure(comparison: Comparison, column: str, title: str) -> di
                    "xaxis": {"title": {"text": "step"}, "dtick": max(1, round(last_step / 10))},  # whole steps
                    "margin": {"t": 50, "r": 20}},
     }
+
+
+def _any_value(values: np.ndarray) -> bool:
+    """Whether a metric column holds a number anywhere (NaN and None are missing)."""
+    if values.dtype.kind == "f":
+        return bool((~np.isnan(values)).any())
+    return any(value is not None and not (isinstance(value, float) and math.isnan(value)) for value in values.tolist())

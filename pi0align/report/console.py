@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import numpy as np
 from rich.console import Console, Group
 from rich.markup import escape
 from rich.panel import Panel
@@ -13,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pi0align.compare.result import CallRef, Comparison
+from pi0align.compare.table import isin
 from pi0align.report.formatting import coverage_text, format_number, format_value, innermost_frame
 from pi0align.report.summary import verdict_counts
 
@@ -84,17 +86,17 @@ def _culprit_table(comparison: Comparison, top: int) -> Table:
 
 
 def _one_sided_table(comparison: Comparison) -> Table | None:
-    rows = comparison.rows
-    one_sided = rows[rows["pairing"].isin(["only_a", "only_b"])]
-    if one_sided.empty:
+    rows = comparison.table()
+    one_sided = np.flatnonzero(isin(rows["pairing"], ["only_a", "only_b"]))
+    if not len(one_sided):
         return None
     table = Table(title=f"records on one side only ({len(one_sided)})", title_justify="left")
     for column in ("side", "step", "rank", "name", "role", "arg"):
         table.add_column(column, overflow="fold")
-    for record in one_sided.head(LISTED_PER_SECTION).itertuples(index=False):
-        side = "A" if record.pairing == "only_a" else "B"
-        table.add_row(side, str(record.step), str(record.rank), escape(str(record.name)), str(record.role),
-                      str(record.arg_index))
+    for i in one_sided[:LISTED_PER_SECTION]:
+        side = "A" if rows["pairing"][i] == "only_a" else "B"
+        table.add_row(side, str(rows["step"][i]), str(rows["rank"][i]), escape(str(rows["name"][i])),
+                      str(rows["role"][i]), str(rows["arg_index"][i]))
     if len(one_sided) > LISTED_PER_SECTION:
         table.caption = f"… and {len(one_sided) - LISTED_PER_SECTION} more (see --csv or the HTML report)"
     return table

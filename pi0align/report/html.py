@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 from pathlib import Path
 
@@ -19,6 +21,8 @@ from pi0align.report.summary import summary
 
 # Not table columns: `module` is already in `name`, `stack` is the name cell's tooltip.
 HIDDEN_COLUMNS = ("module", "stack")
+# plotly.js inside the plotly package (what plotly.offline.get_plotlyjs returns)
+PLOTLY_JS = ("package_data", "plotly.min.js")
 # Columns filtered by a drop-down of their distinct values (the rest by the text box).
 SELECT_FILTERS = ["rank", "step", "direction", "role", "pairing", "evidence", "verdict"]
 
@@ -42,20 +46,28 @@ def run_label(source: str | Path) -> str:
     return path.name or "run"
 
 
+@functools.lru_cache(maxsize=1)
 def plotly_js() -> str:
     """plotly.js, to inline; only the JS bundle is used, figures are built as dicts.
 
-    The CLI calls this before comparing, so that a missing plotly is said before a long compare.
+    Read from the plotly package as plotly.offline.get_plotlyjs() reads it, but without importing
+    plotly, which takes longer than reading the file. The CLI calls this before comparing, so that
+    a missing plotly is said before a long compare.
     """
+    spec = importlib.util.find_spec("plotly")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the HTML report needs plotly: pip install plotly, or pass --no-html")
     try:
+        return Path(spec.submodule_search_locations[0], *PLOTLY_JS).read_text(encoding="utf-8")
+    except OSError:  # another layout of the package: ask plotly
         from plotly.offline import get_plotlyjs
-    except ImportError:
-        raise UserError("the HTML report needs plotly: pip install plotly, or pass --no-html") from None
-    return get_plotlyjs()
+
+        return get_plotlyjs()
 
 
 def write_html(comparison: Comparison, path: str | Path, *, top: int = 10) -> Path:
     """Render the report to `path`; plotly's JavaScript goes inline so the page needs no network."""
+    rows = comparison.table()
     figures = {
         "errors": error_by_step_figure(comparison, top),
         "loss": training_curve_figure(comparison, "loss", "loss"),
@@ -69,10 +81,10 @@ def write_html(comparison: Comparison, path: str | Path, *, top: int = 10) -> Pa
         style=Markup(_static("report.css")),
         script=Markup(_static("report.js")),
         figures_json=_script_json({name: figure for name, figure in figures.items() if figure is not None}),
-        rows_json=Markup(rows_json(comparison.rows)),
+        rows_json=Markup(rows_json(rows)),
         table_json=_script_json({
-            "columns": [column for column in row_columns(comparison.rows) if column not in HIDDEN_COLUMNS],
-            "selects": [column for column in SELECT_FILTERS if column in comparison.rows],
+            "columns": [column for column in row_columns(rows) if column not in HIDDEN_COLUMNS],
+            "selects": [column for column in SELECT_FILTERS if column in rows],
         }),
     )
     with output_path(path) as path:

@@ -7,17 +7,17 @@ per distinct value (module paths, APIs, stacks repeat across steps), stay small 
 from __future__ import annotations
 
 import json
-import math
 
-import pandas as pd
+import numpy as np
 
 from pi0align.compare.result import ROW_COLUMNS
+from pi0align.compare.table import Table
 
 # Digits kept for the browser: the table shows three; the CSV keeps every digit.
 SIGNIFICANT_DIGITS = 5
 
 
-def rows_json(rows: pd.DataFrame) -> str:
+def rows_json(rows: Table) -> str:
     """`{"count": n, "columns": [{"name", "kind": "number", "data"} | {"name", "kind": "text", "values", "codes"}]}`.
 
     Missing numbers are null; infinities are written 1e999, which is valid JSON that JSON.parse
@@ -28,28 +28,43 @@ def rows_json(rows: pd.DataFrame) -> str:
     return f'{{"count":{len(rows)},"columns":[{",".join(columns)}]}}'.replace("<", "\\u003c")
 
 
-def row_columns(rows: pd.DataFrame) -> list[str]:
+def row_columns(rows: Table) -> list[str]:
     """`ROW_COLUMNS`, then any column the engine added (e.g. `rank` for multi-rank runs)."""
     return ROW_COLUMNS + [column for column in rows.columns if column not in ROW_COLUMNS]
 
 
-def _column_json(name: str, column: pd.Series) -> str:
-    if pd.api.types.is_bool_dtype(column.dtype) or not pd.api.types.is_numeric_dtype(column.dtype):
-        codes, values = pd.factorize(column.map(_text, na_action="ignore").fillna(""))
-        return json.dumps({"name": name, "kind": "text", "values": values.tolist(), "codes": codes.tolist()},
-                          separators=(",", ":"))
-    numbers = ",".join(_number(value) for value in column.astype("float64").tolist())
-    return f'{{"name":{json.dumps(name)},"kind":"number","data":[{numbers}]}}'
+def _column_json(name: str, column: np.ndarray) -> str:
+    if column.dtype.kind not in "iuf":
+        codes, values = _factorize(column.tolist())
+        return json.dumps({"name": name, "kind": "text", "values": values, "codes": codes}, separators=(",", ":"))
+    return f'{{"name":{json.dumps(name)},"kind":"number","data":[{_numbers(column.astype(np.float64))}]}}'
 
 
-def _number(value: float) -> str:
-    if math.isnan(value):
-        return "null"
-    if math.isinf(value):
-        return "1e999" if value > 0 else "-1e999"
-    if value == int(value) and abs(value) < 1e15:
-        return str(int(value))
-    return f"{value:.{SIGNIFICANT_DIGITS}g}"
+def _factorize(values: list) -> tuple[list[int], list[str]]:
+    """Codes into the distinct texts of the values, numbered in order of first appearance."""
+    try:
+        distinct = list(dict.fromkeys(values))  # few distinct values: each is made text once
+    except TypeError:  # unhashable values (sequences): text first
+        values = [_text(value) for value in values]
+        distinct = list(dict.fromkeys(values))
+    texts = [_text(value) for value in distinct]
+    text_codes = {text: code for code, text in enumerate(dict.fromkeys(texts))}
+    code_of = {value: text_codes[text] for value, text in zip(distinct, texts)}
+    return list(map(code_of.__getitem__, values)), list(text_codes)
+
+
+def _numbers(values: np.ndarray) -> str:
+    """The numbers, comma-separated: null for NaN, 1e999 for infinity, integers without a point,
+    the rest to SIGNIFICANT_DIGITS."""
+    with np.errstate(invalid="ignore"):
+        whole = np.isfinite(values) & (values == np.trunc(values)) & (np.abs(values) < 1e15)
+    text = np.empty(len(values), object)
+    text[np.isnan(values)] = "null"
+    text[values == np.inf], text[values == -np.inf] = "1e999", "-1e999"
+    text[whole] = list(map(str, values[whole].astype(np.int64).tolist()))
+    rest = ~whole & np.isfinite(values)
+    text[rest] = list(map(f"{{:.{SIGNIFICANT_DIGITS}g}}".format, values[rest].tolist()))
+    return ",".join(text.tolist())
 
 
 def _text(value: object) -> str:

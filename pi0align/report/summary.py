@@ -12,6 +12,7 @@ from typing import Any
 from pi0align.compare.result import CallRef, Comparison
 
 JSON_SCHEMA_VERSION = 1
+_PLAIN = {str, int, bool, type(None)}  # JSON-ready as they are
 
 
 def json_safe(value: Any) -> Any:
@@ -21,8 +22,8 @@ def json_safe(value: Any) -> Any:
     """
     if isinstance(value, dict):
         return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
+    if isinstance(value, (list, tuple)):  # plain values inline: charts carry lists of 20k points
+        return [v if type(v) in _PLAIN or (type(v) is float and math.isfinite(v)) else json_safe(v) for v in value]
     if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):  # numpy scalar or array
         return json_safe(value.tolist())
     if isinstance(value, float) and not math.isfinite(value):
@@ -70,5 +71,5 @@ def summary(comparison: Comparison) -> dict[str, Any]:
 
 def verdict_counts(comparison: Comparison) -> dict[str, int]:
     """How many rows passed, warned, failed or could not be judged."""
-    counts = comparison.rows["verdict"].value_counts()
-    return {verdict: int(counts.get(verdict, 0)) for verdict in ("pass", "warn", "fail", "n/a")}
+    verdicts = comparison.table()["verdict"]
+    return {verdict: int((verdicts == verdict).sum()) for verdict in ("pass", "warn", "fail", "n/a")}

@@ -1,0 +1,232 @@
+"""Table: named numpy columns of equal length, and the joins and group-bys the compare needs.
+
+The compare pipeline works on tables of tens of thousands of rows. pandas would cost a third of a
+second to import and its per-call machinery more than the work itself; numpy's sort, unique and
+reduceat do the same joins and group-bys. A pandas DataFrame is made only when asked for
+(`to_pandas`, e.g. by `Comparison.rows`).
+
+Text columns are object arrays of str; integer columns that can be missing are float64 with NaN,
+named in `nullable_ints` (they become pandas `Int64` and are written as integers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+
+class Table:
+    """Columns in order, all of the same length."""
+
+    def __init__(self, columns: dict[str, Any] | None = None, *, length: int | None = None,
+                 nullable_ints: Iterable[str] = ()):
+        self._columns: dict[str, np.ndarray] = {}
+        self._length = length
+        self.nullable_ints = set(nullable_ints)
+        for name, values in (columns or {}).items():
+            self[name] = values
+
+    def __len__(self) -> int:
+        return self._length or 0
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._columns
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._columns[name]
+
+    def __setitem__(self, name: str, values: Any) -> None:
+        """An array of this table's length, or one value for every row."""
+        if np.ndim(values) == 0:
+            if self._length is None:
+                raise ValueError(f"column {name!r}: a single value needs a table of known length")
+            values = np.full(self._length, values, dtype=object if isinstance(values, str) else None)
+        else:
+            values = np.asarray(values)
+            if self._length is None:
+                self._length = len(values)
+            elif len(values) != self._length:
+                raise ValueError(f"column {name!r} has {len(values)} rows, the table {self._length}")
+        self._columns[name] = values
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self._columns)
+
+    def take(self, rows: np.ndarray) -> Table:
+        """The rows at these positions, or where this mask is true."""
+        rows = np.asarray(rows)
+        length = int(rows.sum()) if rows.dtype == bool else len(rows)
+        return Table({name: values[rows] for name, values in self._columns.items()}, length=length,
+                     nullable_ints=self.nullable_ints)
+
+    def select(self, names: Sequence[str]) -> Table:
+        """These columns, in this order."""
+        return Table({name: self._columns[name] for name in names}, length=len(self),
+                     nullable_ints=self.nullable_ints & set(names))
+
+    @staticmethod
+    def concat(tables: Sequence[Table]) -> Table:
+        """Rows of every table, in order; the columns of the first."""
+        first = tables[0]
+        return Table({name: np.concatenate([t[name] for t in tables]) for name in first.columns},
+                     length=sum(len(t) for t in tables), nullable_ints=first.nullable_ints)
+
+    def to_pandas(self):
+        """A pandas DataFrame of the same columns (pandas is imported here, and only here)."""
+        import pandas as pd
+
+        columns = {}
+        for name, values in self._columns.items():
+            if name in self.nullable_ints:
+                missing = np.isnan(values)
+                values = pd.arrays.IntegerArray(np.where(missing, 0, values).astype(np.int64), missing)
+            columns[name] = values
+        return pd.DataFrame(columns, index=pd.RangeIndex(len(self)), columns=self.columns)
+
+    @classmethod
+    def from_pandas(cls, frame) -> Table:
+        """The columns of a DataFrame: integers with missing values as float64 NaN, text as str
+        ("" where missing)."""
+        import pandas as pd  # only reached when a DataFrame exists, so pandas is already imported
+
+        columns, nullable = {}, []
+        for name, column in frame.items():
+            dtype = column.dtype
+            if pd.api.types.is_bool_dtype(dtype) and not column.hasnans:
+                values = column.to_numpy(bool)
+            elif pd.api.types.is_integer_dtype(dtype):
+                if column.hasnans:
+                    values = column.to_numpy(np.float64, na_value=np.nan)
+                    nullable.append(name)
+                else:
+                    values = column.to_numpy(np.int64)
+            elif pd.api.types.is_numeric_dtype(dtype) and not pd.api.types.is_bool_dtype(dtype):
+                values = column.to_numpy(np.float64, na_value=np.nan)
+            else:
+                values = column.to_numpy(object, na_value="")
+            columns[str(name)] = values
+        return cls(columns, length=len(frame), nullable_ints=nullable)
+
+
+def isin(values: np.ndarray, choices: Iterable[Any]) -> np.ndarray:
+    """Mask of the values equal to one of `choices` (a few), for text columns too."""
+    mask = np.zeros(len(values), bool)
+    for choice in choices:
+        mask |= values == choice
+    return mask
+
+
+def key_codes(*keys: np.ndarray) -> tuple[np.ndarray, int]:
+    """One code per row for its tuple of keys, equal codes for equal tuples, numbered in the
+    tuples' sorted order (NaN last, NaNs equal to each other); and the number of codes."""
+    codes, count = np.zeros(len(keys[0]) if keys else 0, np.int64), 1
+    for key in keys:
+        distinct, inverse = _unique(key)
+        codes, count = _compress(codes * len(distinct) + inverse)
+    return codes, count
+
+
+def _unique(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(values, return_inverse=True): the distinct values sorted, and each value's position."""
+    if values.dtype != object:
+        distinct, inverse = np.unique(values, return_inverse=True)
+        return distinct, inverse.reshape(-1)
+    items = values.tolist()  # text: hashing every value and sorting the few distinct is much faster
+    distinct = sorted(dict.fromkeys(items))
+    index = {value: code for code, value in enumerate(distinct)}
+    return np.array(distinct, object), np.fromiter(map(index.__getitem__, items), np.int64, len(items))
+
+
+def _compress(codes: np.ndarray) -> tuple[np.ndarray, int]:
+    """Codes renumbered 0, 1, ... in the same order, and how many."""
+    unique, inverse = np.unique(codes, return_inverse=True)
+    return inverse.reshape(-1), len(unique)
+
+
+class Groups:
+    """Rows grouped by equal keys; groups numbered in the order of their first row."""
+
+    def __init__(self, *keys: np.ndarray):
+        codes, count = key_codes(*keys)
+        _, first = np.unique(codes, return_index=True)  # the first row of each code
+        group_of_code = np.empty(count, np.int64)
+        group_of_code[np.argsort(first, kind="stable")] = np.arange(count)
+        self.codes = group_of_code[codes]  # group of each row
+        self.first = np.sort(first)  # first row of each group
+        self.order = np.argsort(self.codes, kind="stable")  # rows, group after group
+        self.starts = np.searchsorted(self.codes[self.order], np.arange(count))
+
+    def __len__(self) -> int:
+        return len(self.first)
+
+    def max(self, values: np.ndarray) -> np.ndarray:
+        """Largest value of each group, NaN ignored (NaN where all are NaN)."""
+        if not len(self):
+            return values[:0]
+        ufunc = np.fmax if values.dtype.kind == "f" else np.maximum
+        return ufunc.reduceat(values[self.order], self.starts)
+
+    def min(self, values: np.ndarray) -> np.ndarray:
+        """Smallest value of each group, NaN ignored (NaN where all are NaN)."""
+        if not len(self):
+            return values[:0]
+        ufunc = np.fmin if values.dtype.kind == "f" else np.minimum
+        return ufunc.reduceat(values[self.order], self.starts)
+
+    def any(self, values: np.ndarray) -> np.ndarray:
+        if not len(self):
+            return np.zeros(0, bool)
+        return np.logical_or.reduceat(values[self.order], self.starts)
+
+    def max_text(self, values: np.ndarray) -> np.ndarray:
+        """Greatest string of each group (in Python's order)."""
+        distinct, codes = _unique(values)
+        return distinct[self.max(codes)] if len(self) else values[:0]
+
+
+def gather(values: np.ndarray, rows: np.ndarray, missing: Any) -> np.ndarray:
+    """values[rows], and `missing` where a row is -1 (as `lookup` gives)."""
+    present = rows >= 0
+    taken = values[np.where(present, rows, 0)] if len(values) else np.zeros(len(rows), values.dtype)
+    return np.where(present, taken, missing)
+
+
+def lookup(keys: Sequence[np.ndarray], table_keys: Sequence[np.ndarray]) -> np.ndarray:
+    """For each row of `keys`, the position of the row of `table_keys` with the same values
+    (the first, when several have them), -1 where none has."""
+    n = len(keys[0])
+    codes, count = key_codes(*(np.concatenate([k, t]) for k, t in zip(keys, table_keys)))
+    present, first = np.unique(codes[n:], return_index=True)
+    position = np.full(count, -1, np.int64)
+    position[present] = first
+    return position[codes[:n]]
+
+
+def outer_join(keys_a: Sequence[np.ndarray], keys_b: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows (ia, ib) of a full outer join on equal keys, -1 on the side without a partner; in the
+    keys' sorted order, rows of equal keys in their order in a, then b (as pandas merges)."""
+    n = len(keys_a[0])
+    codes, count = key_codes(*(np.concatenate([a, b]) for a, b in zip(keys_a, keys_b)))
+    codes_a, codes_b = codes[:n], codes[n:]
+    count_a, count_b = np.bincount(codes_a, minlength=count), np.bincount(codes_b, minlength=count)
+    both = (count_a > 0) & (count_b > 0)
+    size = np.where(both, count_a * count_b, count_a + count_b)  # rows per key: a × b, or one side's
+    key = np.repeat(np.arange(count), size)
+    k = np.arange(len(key)) - np.repeat(np.cumsum(size) - size, size)  # row within its key
+    width_b = np.maximum(count_b, 1)[key]
+    ia = _rows_of(codes_a, count_a, key, np.where(both[key], k // width_b, k))
+    ib = _rows_of(codes_b, count_b, key, np.where(both[key], k % width_b, k))
+    return ia, ib
+
+
+def _rows_of(codes: np.ndarray, counts: np.ndarray, key: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Row k (in row order) among the rows of code `key`, -1 where that code has no row."""
+    order = np.argsort(codes, kind="stable")
+    starts = np.cumsum(counts) - counts
+    present = counts[key] > 0
+    rows = np.full(len(key), -1, np.int64)
+    rows[present] = order[starts[key[present]] + k[present]]
+    return rows

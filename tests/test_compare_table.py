@@ -1,0 +1,51 @@
+"""The numpy table behind the compare: joins and group-bys give what pandas would, without pandas."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pi0align.compare.table import Groups, Table, gather, key_codes, lookup, outer_join
+
+TEXT = lambda *values: np.array(values, object)
+
+
+def test_key_codes_follow_the_sorted_order_of_the_key_tuples():
+    codes, count = key_codes(np.array([2, 1, 2, 1]), TEXT("b", "z", "a", "z"))
+    assert count == 3 and codes.tolist() == [2, 0, 1, 0]
+    codes, count = key_codes(np.array([1.0, np.nan, 0.5, np.nan]))
+    assert count == 3 and codes.tolist() == [1, 2, 0, 2]  # NaN last, and equal to NaN
+
+
+def test_outer_join_keeps_every_row_in_key_order():
+    ia, ib = outer_join([np.array([0, 0, 1, 0]), TEXT("output", "input", "input", "input")],
+                        [np.array([0, 2, 0]), TEXT("input", "input", "grad")])
+    # keys in sorted order: (0, grad) b only; (0, input) a rows 1 and 3 with b row 0; (0, output) a only; ...
+    assert list(zip(ia.tolist(), ib.tolist())) == [(-1, 2), (1, 0), (3, 0), (0, -1), (2, -1), (-1, 1)]
+
+
+def test_lookup_and_gather():
+    position = lookup([np.array([5, 7, 9])], [np.array([9, 5, 5])])
+    assert position.tolist() == [1, -1, 0]  # the first row of the table with that key
+    assert gather(TEXT("x", "y", "z"), position, "").tolist() == ["y", "", "x"]
+    assert np.isnan(gather(np.zeros(0), np.array([-1, -1]), np.nan)).all()  # nothing to gather from
+
+
+def test_groups_are_numbered_by_first_appearance():
+    groups = Groups(TEXT("b", "a", "b", "c", "a"))
+    assert groups.codes.tolist() == [0, 1, 0, 2, 1] and groups.first.tolist() == [0, 1, 3]
+    assert groups.max(np.array([1.0, np.nan, 3.0, np.nan, 2.0])).tolist()[:2] == [3.0, 2.0]
+    assert np.isnan(groups.max(np.array([1.0, np.nan, 3.0, np.nan, 2.0]))[2])  # all NaN
+    assert groups.any(np.array([False, False, True, False, False])).tolist() == [True, False, False]
+    assert groups.max_text(TEXT("", "rel", "stats", "", "")).tolist() == ["stats", "rel", ""]
+
+
+def test_table_round_trips_through_pandas():
+    table = Table({"step": np.array([0, 1]), "seq_a": np.array([3.0, np.nan]), "name": TEXT("a", "b")},
+                  nullable_ints=["seq_a"])
+    frame = table.to_pandas()
+    assert [str(t) for t in frame.dtypes] == ["int64", "Int64", "str"]
+    assert frame["seq_a"].isna().tolist() == [False, True]
+    back = Table.from_pandas(frame)
+    assert back.nullable_ints == {"seq_a"} and back["step"].dtype == np.int64
+    assert back["name"].tolist() == ["a", "b"] and np.isnan(back["seq_a"][1])
+    assert len(table.take(np.array([True, False]))) == 1 and table.select(["name"]).columns == ["name"]
