@@ -5,8 +5,9 @@ timed against the plain step just before it (a CPU step drifts over a long run; 
 thresholds, set by re-executing this script, steady glibc's allocator). Variants: our Dumper idle
 (started, step not selected), stats, sample and tensor mode at level mix, and stats at level api
 (msprobe's L1 records API calls only). Tensor mode hands the tensors to a writer process and goes
-on; "tensor, until on disk" also waits (`Dumper.flush()`) until the step's tensors are written,
-the cost when steps are dumped back to back. msprobe's
+on (the writer finishes, untimed, before the next timed step); "tensor, until on disk" also waits
+(`Dumper.flush()`) until the step's tensors are written: the cost when steps are dumped back to
+back. msprobe's
 PrecisionDebugger (when installed) at L1 and mix, statistics and tensor, each in its own process
 because it is a process-wide singleton. Also bytes written per dumped step.
 
@@ -58,12 +59,16 @@ def build(preset: str, batch_size: int, work: Path):
     return parts["policy"], parts["optimizer"], parts["scheduler"], batch, parts["policy"].config.optimizer_grad_clip_norm
 
 
-def alternate(step_plain, variants: dict, rounds: int) -> dict[str, list[float]]:
-    """{variant: [time(variant step) / time(plain step just before)]} over `rounds` rounds."""
+def alternate(step_plain, variants: dict, rounds: int, settle: dict | None = None) -> dict[str, list[float]]:
+    """{variant: [time(variant step) / time(plain step just before)]} over `rounds` rounds.
+    `settle[name]`, untimed, runs after the variant's step: work it left behind (a writer process
+    finishing its tensors) must not slow down the steps timed next."""
     ratios = {name: [] for name in variants}
+    settle = settle or {}
     step_plain()  # warm-up
-    for run in variants.values():
+    for name, run in variants.items():
         run()
+        settle.get(name, lambda: None)()
     for _ in range(rounds):
         for name, run in variants.items():
             started = time.perf_counter()
@@ -72,6 +77,7 @@ def alternate(step_plain, variants: dict, rounds: int) -> dict[str, list[float]]
             started = time.perf_counter()
             run()
             ratios[name].append((time.perf_counter() - started) / plain)
+            settle.get(name, lambda: None)()
     return ratios
 
 
@@ -103,7 +109,7 @@ def bench_ours(args, work: Path) -> list[tuple[str, float, float, int]]:
             counts[name] += 1
 
         variants[name] = run
-    ratios = alternate(step, variants, args.rounds)
+    ratios = alternate(step, variants, args.rounds, settle={name: d.flush for name, d in dumpers.items()})
     for dumper in dumpers.values():
         dumper.__exit__(None, None, None)
     plain_time = _plain_time(step)
