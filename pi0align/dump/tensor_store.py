@@ -10,8 +10,9 @@ Commands arrive on stdin as pickled lists; answers leave on stdout, pickled:
   ("open", path)                          start a step's file, written as `path` + ".partial"
   ("write", name, dtype, stored dtype, shape, (offset, nbytes), end)
                                           one tensor at `offset` of the ring; `end` is the ring
-                                          position after it, answered as ("freed", end); a tensor
-                                          larger than the ring comes whole (an array), end None
+                                          position after it, answered ("freed", end) at the end of
+                                          its batch; a tensor larger than the ring comes whole
+                                          (an array), end None
   ("close",)                              finish the step's file and rename it to `path`
   ("sync",)                               answered ("synced",) once everything before it is done
 An error answers ("error", message) and skips the rest of the step. At the end of stdin (the
@@ -137,13 +138,11 @@ class _Store:
                 file.close()
                 os.replace(self.path + PARTIAL, self.path)
             elif kind == "sync":
-                self._answer(("synced",))
+                self.answer(("synced",))
         except (OSError, RuntimeError, ValueError) as error:  # h5py reports a full disk as RuntimeError
             self.failed = True
             self.discard()
-            self._answer(("error", str(error).splitlines()[0] if str(error) else type(error).__name__))
-        if kind == "write" and command[-1] is not None:
-            self._answer(("freed", command[-1]))  # written or skipped: its place in the ring is free
+            self.answer(("error", str(error).splitlines()[0] if str(error) else type(error).__name__))
 
     def discard(self) -> None:
         """Close and delete an unfinished step file (its first error is the one reported)."""
@@ -158,7 +157,7 @@ class _Store:
             except OSError:
                 pass
 
-    def _answer(self, answer: tuple) -> None:
+    def answer(self, answer: tuple) -> None:
         try:
             pickle.dump(answer, self.answers)
             self.answers.flush()
@@ -171,8 +170,13 @@ def main(fd: int, size: int, compress: bool) -> None:
     batches: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_read_commands, args=(sys.stdin.buffer, batches), daemon=True).start()
     while (batch := batches.get()) is not None:
+        freed = None  # answered once a batch: each answer wakes a thread of the training process
         for command in batch:
             store.handle(command)
+            if command[0] == "write" and command[-1] is not None:
+                freed = command[-1]  # written or skipped: its place in the ring is free
+        if freed is not None:
+            store.answer(("freed", freed))
     store.discard()
 
 
