@@ -176,7 +176,8 @@ class TensorWriter:
         # free once the writer is past what was there a lap ago (never past what it was given:
         # the skipped end of the ring, when the tensor wraps to the start, is never answered)
         free_from = min(start + size - self._ring_bytes, self._head)
-        if not self._wait(lambda: self._freed >= free_from):
+        # checked before waiting, which sends the queued commands: they go in batches, not one by one
+        if self._freed < free_from and not self._wait(lambda: self._freed >= free_from):
             return ""
         offset = start % self._ring_bytes
         self._head = start + size
