@@ -25,6 +25,12 @@ def artifact_cache(tmp_path_factory) -> Path:
     return cache
 
 
+def without_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernel libraries loaded from now on fail to build, as on a machine without a C++ compiler."""
+    monkeypatch.setenv("PI0ALIGN_CACHE", str(tmp_path / "cache-without-compiler"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+
+
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """`pi0align ARGS` in a fresh process, as a user runs it."""
     return subprocess.run(

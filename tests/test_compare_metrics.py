@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import without_compiler
 
 from pi0align.compare.metrics import sample_metrics, stats_metrics, tensor_metrics
 
@@ -85,12 +86,15 @@ def test_statistics_of_all_nan_tensors():
 @pytest.mark.parametrize("filters", [dict(compression=32015, compression_opts=(1,), shuffle=True),
                                      dict(compression="gzip", shuffle=True), dict(compression="gzip"), {}],
                          ids=["zstd+shuffle", "gzip+shuffle", "gzip", "uncompressed-chunked"])
-def test_compressed_hdf5_chunks_read_in_parallel_equal_in_memory(tmp_path, filters):
+@pytest.mark.parametrize("compiler", [True, False], ids=["compiled", "numpy"])
+def test_compressed_hdf5_chunks_read_in_parallel_equal_in_memory(tmp_path, monkeypatch, filters, compiler):
     import h5py
     import hdf5plugin  # noqa: F401 - the Zstandard filter (id 32015), as pi0align writes tensors
 
     from pi0align.compare.records import Bfloat16Array
 
+    if not compiler:
+        _numpy_only(tmp_path, monkeypatch)
     rng = np.random.default_rng(1)
     b = rng.standard_normal((300, 70)).astype(np.float32)  # not a multiple of the chunk shape: edge chunks
     n = (b * (1 + 1e-3 * rng.standard_normal(b.shape))).astype(np.float32)
@@ -107,3 +111,53 @@ def test_compressed_hdf5_chunks_read_in_parallel_equal_in_memory(tmp_path, filte
             assert got == pytest.approx(expected, rel=1e-9)
         bf16 = tensor_metrics(Bfloat16Array(f["b16"]), Bfloat16Array(f["n16"]), workers=2)
         assert bf16 == pytest.approx(tensor_metrics(Bfloat16Array(f["b16"][()]), Bfloat16Array(f["n16"][()])), rel=1e-9)
+
+
+
+def _numpy_only(tmp_path, monkeypatch):
+    """From here on, metrics are computed as on a machine without a C++ compiler (numpy only)."""
+    from pi0align.compare.kernels import Kernels
+
+    without_compiler(tmp_path, monkeypatch)
+    kernels = Kernels()
+    monkeypatch.setattr("pi0align.compare.metrics.KERNELS", kernels)
+    monkeypatch.setattr("pi0align.compare.h5chunks.KERNELS", kernels)
+    return kernels
+
+
+def _awkward_pair(rng, dtype):
+    """3 rows of 3000: zeros, NaN/Inf agreeing and not, exact ties, small differences; past one kernel block."""
+    if np.dtype(dtype).kind == "i":
+        return rng.integers(-5, 5, (3, 3000), dtype=dtype), rng.integers(-5, 5, (3, 3000), dtype=dtype)
+    b = rng.standard_normal(9000).astype(dtype)
+    n = (b * (1 + 1e-3 * rng.standard_normal(9000))).astype(dtype)
+    b[[5, 6]], n[[5, 6]] = 0, [0, 1]
+    b[[2000, 2001, 2002]], n[[2000, 2001, 2002]] = [np.nan, np.inf, np.inf], [np.nan, np.inf, 1.0]
+    n[3000] = np.nan
+    n[4000:4100] = b[4000:4100]
+    return b.reshape(3, 3000), n.reshape(3, 3000)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32", "bfloat16"])
+def test_compiled_and_numpy_paths_agree(tmp_path, monkeypatch, dtype):
+    from pi0align.compare.kernels import KERNELS
+    from pi0align.compare.records import Bfloat16Array
+
+    if not KERNELS.load():
+        pytest.skip(f"no compiled kernels here ({KERNELS.status})")
+    b, n = _awkward_pair(np.random.default_rng(2), "float32" if dtype == "bfloat16" else dtype)
+    if dtype == "bfloat16":
+        b, n = (Bfloat16Array((x.view(np.uint32) >> 16).astype(np.uint16)) for x in (b, n))
+
+    def both_ways():
+        rows = sample_metrics(np.asarray(b[:], np.float64), np.asarray(n[:], np.float64))
+        return tensor_metrics(b, n, chunk_elements=1000), rows
+
+    compiled, compiled_rows = both_ways()
+    assert _numpy_only(tmp_path, monkeypatch).load() is False
+    numpy, numpy_rows = both_ways()
+    assert compiled == pytest.approx(numpy, rel=1e-12, nan_ok=True)
+    for key, values in numpy_rows.items():
+        assert compiled_rows[key] == pytest.approx(values, rel=1e-12, nan_ok=True), key
+    if dtype != "int32":
+        assert compiled["nan_inf_mismatch"] == 2 and compiled["max_rel_err"] == np.inf

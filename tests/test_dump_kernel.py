@@ -9,6 +9,7 @@ import math
 import h5py
 import pytest
 import torch
+from conftest import without_compiler
 from dump_helpers import reference_checksum
 
 from pi0align import Dumper
@@ -88,8 +89,7 @@ def test_empty_tensor():
 
 
 def test_without_a_compiler_the_torch_path_runs_and_the_file_says_so(tmp_path, monkeypatch):
-    monkeypatch.setenv("PI0ALIGN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    without_compiler(tmp_path, monkeypatch)
     kernel = Kernel()
     monkeypatch.setattr("pi0align.dump.stats.KERNEL", kernel)
     monkeypatch.setattr("pi0align.dump.dumper.KERNEL", kernel)

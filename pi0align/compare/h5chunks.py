@@ -19,6 +19,8 @@ import hdf5plugin  # lets h5py read Zstandard-compressed datasets too
 import numpy as np
 import zstandard
 
+from pi0align.compare.kernels import KERNELS
+
 _ZSTD = str(hdf5plugin.ZSTD_ID)  # how h5py names a filter it has no name for
 _SUPPORTED_FILTERS = {"gzip", "shuffle", _ZSTD}
 
@@ -96,8 +98,12 @@ def _zstd_into(compressed: memoryview, out: memoryview) -> memoryview:
 
 
 def _unshuffle(planes: np.ndarray, itemsize: int, out: memoryview) -> np.ndarray:
-    """Undo HDF5's shuffle filter: byte i of every element was stored in plane i. (One strided
-    write per plane is several times faster than a transposed copy.)"""
+    """Undo HDF5's shuffle filter: byte i of every element was stored in plane i. Compiled
+    (kernels.py) where a compiler is; else one strided numpy write per plane."""
+    if KERNELS.load():
+        elements = np.frombuffer(out, f"u{itemsize}")  # element sizes of dtype kinds f, i, u: 2, 4 or 8
+        KERNELS.unshuffle(planes, elements)
+        return elements.view(np.uint8)
     elements = np.frombuffer(out, np.uint8).reshape(-1, itemsize)
     for i, plane in enumerate(planes.reshape(itemsize, -1)):
         elements[:, i] = plane

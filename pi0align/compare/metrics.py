@@ -13,13 +13,14 @@ from typing import Any
 
 import numpy as np
 
+from pi0align.compare.kernels import FIELDS, KERNELS, SUMMED
 from pi0align.compare.records import Bfloat16Array, iter_flat_chunks
 
 TENSOR_METRICS = ["cosine", "max_abs_err", "max_rel_err", "mean_rel_err", "rel_l2_err", "rmse",
                   "within_1e-3", "within_5e-3", "nan_inf_mismatch"]
 STATS_METRICS = ["min_rel_err", "max_val_rel_err", "mean_val_rel_err", "norm_rel_err"]
 WORKERS = min(4, os.cpu_count() or 1)
-CHUNK_ELEMENTS = 1 << 18  # 2 MiB of float64 per side per chunk: the dozen passes over it stay in cache
+CHUNK_ELEMENTS = 1 << 18  # elements read per side at a time from arrays not stored in HDF5 chunks
 
 
 def relative(diff: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -30,31 +31,33 @@ def relative(diff: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 class ErrorAccumulator:
-    """Running sums of the error between a and b, per row; add chunks, merge, then read result()."""
+    """Running sums of the error between a and b, per row; add chunks, merge, then read result().
+    The sums come from the compiled loops (kernels.py) or, without a compiler, from numpy."""
 
     def __init__(self, rows: int = 1):
-        self._sums = {k: np.zeros(rows) for k in ("ab", "aa", "bb", "dd", "rel", "w1", "w5", "n", "mismatch")}
-        self._max_abs, self._max_rel = np.zeros(rows), np.zeros(rows)
+        self._sums = np.zeros((rows, len(FIELDS)))
         self._scratch: dict = {}
 
-    def add(self, a: np.ndarray, b: np.ndarray) -> None:
-        """a, b: float64 arrays of shape (rows, k), same positions."""
+    def add(self, a: np.ndarray, b: np.ndarray, bfloat16: bool = False) -> None:
+        """a, b: one row (1-D) or rows (2-D) at the same positions, any numeric dtype;
+        bfloat16: both hold raw bfloat16 bits (uint16)."""
+        a, b = np.atleast_2d(a), np.atleast_2d(b)
+        if KERNELS.load():
+            KERNELS.error_sums(a, b, bfloat16, self._sums)
+            return
+        a, b = ((Bfloat16Array.decode(x) if bfloat16 else x).astype(np.float64, copy=False) for x in (a, b))
         part = _partial_sums(a, b, self._scratch)
         if not np.isfinite(part["aa"] + part["bb"]).all():  # rare: a NaN or Inf somewhere, mask it out
             part = _partial_sums(a, b, self._scratch, mask_nonfinite=True)
-        self._add(part)
+        self._sums[:, :SUMMED] += np.stack([np.broadcast_to(part.get(k, 0.0), len(self._sums)) for k in FIELDS[:SUMMED]], 1)
+        np.maximum(self._sums[:, SUMMED:], np.stack([part["max_abs"], part["max_rel"]], 1), out=self._sums[:, SUMMED:])
 
     def merge(self, other: ErrorAccumulator) -> None:
-        self._add({**other._sums, "max_abs": other._max_abs, "max_rel": other._max_rel})
-
-    def _add(self, part: dict[str, np.ndarray]) -> None:
-        for key in self._sums:
-            self._sums[key] += part.get(key, 0.0)
-        self._max_abs = np.maximum(self._max_abs, part["max_abs"])
-        self._max_rel = np.maximum(self._max_rel, part["max_rel"])
+        self._sums[:, :SUMMED] += other._sums[:, :SUMMED]
+        np.maximum(self._sums[:, SUMMED:], other._sums[:, SUMMED:], out=self._sums[:, SUMMED:])
 
     def result(self) -> dict[str, np.ndarray]:
-        s = self._sums
+        s = dict(zip(FIELDS, self._sums.T))
         norm_a, norm_b = np.sqrt(s["aa"]), np.sqrt(s["bb"])
         with np.errstate(invalid="ignore", divide="ignore"):
             cosine = np.where((norm_a > 0) & (norm_b > 0),
@@ -63,8 +66,8 @@ class ErrorAccumulator:
             n = np.where(s["n"] > 0, s["n"], np.nan)  # no finite element: metrics are NaN, not a crash
             out = {
                 "cosine": cosine,
-                "max_abs_err": self._max_abs,
-                "max_rel_err": self._max_rel,
+                "max_abs_err": s["max_abs"],
+                "max_rel_err": s["max_rel"],
                 "mean_rel_err": s["rel"] / n,
                 "rel_l2_err": relative(np.sqrt(s["dd"]), norm_a),
                 "rmse": np.sqrt(s["dd"] / n),
@@ -133,31 +136,20 @@ def _reduce_stored_chunks(a: Any, b: Any, chunk_elements: int, workers: int) -> 
     # imported here: h5chunks loads hdf5plugin, needed only once tensors are read
     from pi0align.compare.h5chunks import ChunkBuffers, chunk_pairs
 
-    decode = Bfloat16Array.decode if isinstance(a, Bfloat16Array) else None
-    if isinstance(a, Bfloat16Array) != isinstance(b, Bfloat16Array):
+    bfloat16 = isinstance(a, Bfloat16Array)
+    if bfloat16 != isinstance(b, Bfloat16Array):
         return None
-    stored = chunk_pairs(a.bits, b.bits) if decode else chunk_pairs(a, b)
+    stored = chunk_pairs(a.bits, b.bits) if bfloat16 else chunk_pairs(a, b)
     if stored is None:
         return None
     reader_a, reader_b, jobs = stored
 
-    chunk_size = int(np.prod(reader_a.chunks))
-
     def reduce(part: list) -> ErrorAccumulator:
-        # small chunks are gathered into one reused float64 batch (fresh big arrays cost page faults)
-        acc, size = ErrorAccumulator(1), 0
-        batch = np.empty((2, max(chunk_elements, chunk_size) + chunk_size))
-        buffers = ChunkBuffers()
-        for i, (offset, where_a, where_b) in enumerate(part):
-            for side, reader, where in ((0, reader_a, where_a), (1, reader_b, where_b)):
-                chunk = reader.read(offset, where, buffers)
-                chunk = decode(chunk) if decode else chunk
-                n = chunk.size
-                np.copyto(batch[side, size:size + n], chunk.reshape(-1), casting="unsafe")
-            size += n
-            if size >= chunk_elements or i == len(part) - 1:
-                acc.add(batch[0:1, :size], batch[1:2, :size])
-                size = 0
+        acc = ErrorAccumulator(1)
+        buffers_a, buffers_b = ChunkBuffers(), ChunkBuffers()
+        for offset, where_a, where_b in part:
+            chunk_a, chunk_b = reader_a.read(offset, where_a, buffers_a), reader_b.read(offset, where_b, buffers_b)
+            acc.add(chunk_a.reshape(-1), chunk_b.reshape(-1), bfloat16)
         return acc
 
     try:
@@ -181,7 +173,7 @@ def _reduce_row_ranges(a: Any, b: Any, chunk_elements: int, workers: int) -> lis
         acc = ErrorAccumulator(1)
         view_a, view_b = (_RowRange(x, lo, hi) for x in (a, b)) if len(a.shape) else (a, b)
         for chunk_a, chunk_b in iter_flat_chunks(view_a, view_b, chunk_elements):
-            acc.add(chunk_a[None, :], chunk_b[None, :])
+            acc.add(chunk_a, chunk_b)
         return acc
 
     bounds = np.linspace(0, rows, parts + 1).astype(int)

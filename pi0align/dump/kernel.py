@@ -3,7 +3,7 @@
 The torch-op path reads a tensor about six times (min, max, sum, sum of squares, the checksum's
 row and column sums) and allocates for the conversions; this kernel reads it once, accumulating
 in float64, and counts NaN and Inf in a second pass only when the sums say there are any. It is
-plain C++ behind a C entry point, built with the system compiler into the pi0align cache and
+plain C++ behind a C entry point, built with the system compiler on first use (native.py) and
 called through ctypes (which releases the GIL, so the statistics thread runs beside training).
 No OpenMP threads: one tensor, one core. Without a compiler the dumper keeps the torch-op path;
 `KERNEL.status` says which path runs. It also gathers sample mode's elements, for the same reasons.
@@ -12,18 +12,11 @@ No OpenMP threads: one tensor, one core. Without a compiler the dumper keeps the
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 
 import numpy as np
 import torch
 
-from pi0align.pi0.cache import cache_root
+from pi0align.native import Library
 
 _SOURCE = r"""
 #include <cmath>
@@ -181,34 +174,29 @@ extern "C" void pi0align_gather(const void* data, int kind, const int64_t* offse
 _KINDS = {torch.bool: 0, torch.uint8: 1, torch.int8: 2, torch.int16: 3, torch.bfloat16: 4, torch.float16: 5,
           torch.int32: 6, torch.float32: 7, torch.int64: 8, torch.float64: 9}
 _MAX_DIMS = 16  # the kernel's odometer
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
+
+
+_SIZES = ctypes.POINTER(ctypes.c_int64)
+_FUNCTIONS = {
+    "pi0align_stats": [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, _SIZES, _SIZES, _SIZES,
+                       ctypes.POINTER(ctypes.c_double), _SIZES],
+    "pi0align_gather": [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p],
+}
 
 
 class Kernel:
     """The compiled kernel, loaded by the first `supports` (or `load`) call."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._function = self._gather = None
+        self._library = Library("stats", _SOURCE, _FUNCTIONS)
         self.status = ""  # "" until loaded, then "fused" or "torch ops: <why>"
 
     def load(self) -> str:
         """Build or find the kernel once per process; returns `status`."""
-        with self._lock:
-            if not self.status:
-                try:
-                    library = ctypes.CDLL(str(_build()))
-                    function = library.pi0align_stats
-                    function.restype = None
-                    sizes = ctypes.POINTER(ctypes.c_int64)
-                    function.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, sizes, sizes, sizes,
-                                         ctypes.POINTER(ctypes.c_double), sizes]
-                    gather = library.pi0align_gather
-                    gather.restype = None
-                    gather.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-                    self._function, self._gather, self.status = function, gather, "fused"
-                except (OSError, subprocess.SubprocessError) as error:
-                    self.status = f"torch ops: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+        loaded = self._library.load()
+        self.status = "fused" if loaded else f"torch ops: {self._library.error}"
+        if loaded:
+            self._function, self._gather = (self._library.functions[n] for n in _FUNCTIONS)
         return self.status
 
     def supports(self, tensor: torch.Tensor) -> bool:
@@ -256,41 +244,6 @@ def _layout(tensor: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
         else:
             size.append(tensor.shape[d]), stride.append(tensor.stride(d)), step.append(row_major[d])
     return size, stride, step
-
-
-def _build() -> str:
-    """Path of the shared library, compiled into the cache when this source, these flags and
-    this CPU (`-march=native`) have none yet. Written under a temporary name and renamed, so
-    concurrent processes never load a half-written file."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise OSError("no C++ compiler (g++ or $CXX) found")
-    key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, compiler, platform.machine(), _cpu_flags()]).encode())
-    folder = cache_root() / "dump-kernel"
-    library = folder / f"stats-{key.hexdigest()[:16]}.so"
-    if library.exists():
-        return str(library)
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as staging:
-        source = os.path.join(staging, "stats.cpp")
-        with open(source, "w") as f:
-            f.write(_SOURCE)
-        built = os.path.join(staging, "stats.so")
-        result = subprocess.run([compiler, *_FLAGS, source, "-o", built], capture_output=True, text=True, timeout=300,
-                                check=False)
-        if result.returncode != 0:
-            raise OSError(f"compiling the statistics kernel failed: {(result.stderr.strip() or '?').splitlines()[0]}")
-        os.replace(built, library)
-    return str(library)
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature line: a library built with -march=native must not run on another CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
 
 
 KERNEL = Kernel()

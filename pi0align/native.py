@@ -1,0 +1,82 @@
+"""Small C++ kernels, compiled with the system compiler on first use and loaded with ctypes.
+
+Each library is cached under the pi0align cache, keyed by its source, the flags, the compiler and
+this CPU (`-march=native`: a library built here must not run on another CPU). It is written under
+a temporary name and renamed, so concurrent processes never load a half-written file. ctypes
+releases the GIL during a call, so threads run kernels in parallel. Callers keep a slower path
+for machines without a compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+from pi0align.pi0.cache import cache_root
+
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
+
+
+class Library:
+    """A kernel library, built or found by the first `load()` of the process. `functions` names its
+    C entry points (all returning void) with their ctypes argument types."""
+
+    def __init__(self, name: str, source: str, functions: dict[str, list], flags: list[str] = FLAGS) -> None:
+        self._name, self._source, self._signatures, self._flags = name, source, functions, flags
+        self._lock = threading.Lock()
+        self._loaded = False
+        self.functions: dict[str, ctypes._CFuncPtr] = {}
+        self.error = ""  # why it could not be built, in one line
+
+    def load(self) -> bool:
+        """Whether the library runs in this process."""
+        with self._lock:
+            if not self._loaded:
+                self._loaded = True
+                try:
+                    library = _compiled(self._name, self._source, self._flags)
+                except (OSError, subprocess.SubprocessError) as error:
+                    self.error = str(error).splitlines()[0] if str(error) else type(error).__name__
+                else:
+                    for name, argtypes in self._signatures.items():
+                        function = self.functions[name] = getattr(library, name)
+                        function.restype, function.argtypes = None, argtypes
+        return not self.error
+
+
+def _compiled(name: str, source: str, flags: list[str]) -> ctypes.CDLL:
+    """The compiled `source` (C++ with C entry points); OSError or SubprocessError when it cannot be built."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise OSError("no C++ compiler (g++ or $CXX) found")
+    key = hashlib.sha256("\0".join([source, *flags, compiler, platform.machine(), _cpu_flags()]).encode())
+    folder = cache_root() / "kernels"
+    library = folder / f"{name}-{key.hexdigest()[:16]}.so"
+    if not library.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as staging:
+            path = os.path.join(staging, f"{name}.cpp")
+            with open(path, "w") as f:
+                f.write(source)
+            built = os.path.join(staging, f"{name}.so")
+            result = subprocess.run([compiler, *flags, path, "-o", built], capture_output=True, text=True,
+                                    timeout=300, check=False)
+            if result.returncode != 0:
+                raise OSError(f"compiling the {name} kernel failed: {(result.stderr.strip() or '?').splitlines()[0]}")
+            os.replace(built, library)
+    return ctypes.CDLL(str(library))
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature line."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
