@@ -3,7 +3,8 @@
 Error propagates, so once one call diverges every later call does too. A call is to blame when
 its inputs agree (pass) and its outputs do not (fail); a call that amplifies an incoming error
 by AMPLIFICATION or more is listed too. Forward calls are searched in execution order, backward
-calls in the order autograd ran them.
+calls in the order autograd ran them. A module call is blamed only when no blamed call ran inside
+it: its error is then explained by its own code, not by a call it made (mix level records both).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def first_divergence(calls: Table, direction: str, stack_of: Callable[[int, int,
     """First call of `direction` (in execution order) whose outputs fail and whose inputs pass
     (or, with inputs_must_pass=False, whatever its inputs)."""
     selected = calls["outputs_fail"] & (calls["inputs_pass"] | (not inputs_must_pass))
-    candidates = np.flatnonzero((calls["direction"] == direction) & selected)
+    candidates = np.flatnonzero((calls["direction"] == direction) & _innermost(calls, selected))
     if not len(candidates):
         return None
     return _ref(CallRef, calls, candidates[0], stack_of)
@@ -93,12 +94,32 @@ def first_divergence(calls: Table, direction: str, stack_of: Callable[[int, int,
 
 def culprits(calls: Table, stack_of: Callable[[int, int, int], list[str]]) -> list[Culprit]:
     """Calls that introduce error, earliest step first, most guilty first within a step."""
-    guilty = np.flatnonzero(calls["outputs_fail"]
-                            & (calls["inputs_pass"] | (calls["introduced_error"] >= AMPLIFICATION)))
+    guilty = np.flatnonzero(_innermost(calls, calls["outputs_fail"]
+                                       & (calls["inputs_pass"] | (calls["introduced_error"] >= AMPLIFICATION))))
     guilty = guilty[np.lexsort((-calls["introduced_error"][guilty], calls["step"][guilty]))][:MAX_CULPRITS]
     return [_ref(Culprit, calls, i, stack_of, introduced_error=float(calls["introduced_error"][i]),
                  input_error=float(calls["input_error"][i]), output_error=float(calls["output_error"][i]),
                  metric=str(calls["metric"][i])) for i in guilty]
+
+
+def _innermost(calls: Table, selected: np.ndarray) -> np.ndarray:
+    """`selected` without the module calls inside which another selected call ran.
+
+    A module invocation at path P spans the later calls (same rank, step, direction) made in P or
+    below it, up to the first call elsewhere or P's next invocation. `calls` is in execution order.
+    """
+    module_api = np.char.startswith(calls["api"].astype(str), "Module.")
+    keep = selected.copy()
+    modules = calls["module"].astype(str)
+    for i in np.flatnonzero(selected & module_api):
+        path, seq = modules[i], calls["seq_a"][i]
+        later = ((calls["rank"] == calls["rank"][i]) & (calls["step"] == calls["step"][i])
+                 & (calls["direction"] == calls["direction"][i]) & (calls["seq_a"] > seq))
+        inside = (modules == path) | np.char.startswith(modules, path + ".") if path else np.ones(len(modules), bool)
+        ends = later & (~inside | (module_api & (modules == path)))
+        end = calls["seq_a"][ends].min() if ends.any() else np.inf
+        keep[i] = not (later & inside & (calls["seq_a"] < end) & selected).any()
+    return keep
 
 
 def _ref(cls, calls: Table, i: int, stack_of, **extra):
