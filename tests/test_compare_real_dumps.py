@@ -73,7 +73,8 @@ def test_same_run_twice_is_aligned_and_a_faulty_call_is_named(tmp_path, mode):
     assert top.stack and "test_compare_real_dumps.py" in top.stack[-1]
     # every API call before the fault agrees; the modules around it (opened earlier) are not blamed
     rows = result.rows[(result.rows["step"] == 0) & (result.rows["direction"] == "forward")]
-    api_before = (rows["seq_a"] < rows.loc[rows["name"] == FAULTY, "seq_a"].min()) & ~rows["api"].str.startswith("Module.")
+    before = rows["seq_a"] < rows.loc[rows["name"] == FAULTY, "seq_a"].min()
+    api_before = before & ~rows["api"].str.startswith("Module.")
     assert api_before.any() and (rows.loc[api_before, "verdict"] == "pass").all()
     enclosing = {"/Module.Model#0", "blocks.1/Module.Block#0"}
     assert enclosing <= set(rows.loc[rows["verdict"] == "fail", "name"])

@@ -49,7 +49,8 @@ class ErrorAccumulator:
         part = _partial_sums(a, b, self._scratch)
         if not np.isfinite(part["aa"] + part["bb"]).all():  # rare: a NaN or Inf somewhere, mask it out
             part = _partial_sums(a, b, self._scratch, mask_nonfinite=True)
-        self._sums[:, :SUMMED] += np.stack([np.broadcast_to(part.get(k, 0.0), len(self._sums)) for k in FIELDS[:SUMMED]], 1)
+        summed = [np.broadcast_to(part.get(k, 0.0), len(self._sums)) for k in FIELDS[:SUMMED]]
+        self._sums[:, :SUMMED] += np.stack(summed, 1)
         np.maximum(self._sums[:, SUMMED:], np.stack([part["max_abs"], part["max_rel"]], 1), out=self._sums[:, SUMMED:])
 
     def merge(self, other: ErrorAccumulator) -> None:
