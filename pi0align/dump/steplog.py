@@ -127,22 +127,28 @@ class StepLog:
 
     def finish(self) -> StepTables:
         """Read the statistics back (one copy per device) and build the tables."""
-        calls = {c: np.array([row[i] for row in self.calls]) for i, c in enumerate(CALL_COLUMNS)}
+        calls = dict(zip(CALL_COLUMNS, map(np.array, _columns(self.calls, len(CALL_COLUMNS)))))
         calls["call_id"] = np.arange(len(self.calls), dtype=np.int32)
-        kept = [r for r in range(len(self.records)) if self.records[r][0] >= 0]
-        order = sorted(kept, key=lambda r: (self.records[r][0], _ROLE_ORDER[self.records[r][1]], self.records[r][2]))
-        rows = [self.records[r] for r in order]
-        records = {c: np.array([row[i] for row in rows]) for i, c in enumerate(RECORD_COLUMNS)}
+        columns = _columns([row for row in self.records if row[0] >= 0], len(RECORD_COLUMNS) + 2)
+        call_ids, roles, arg_indices = (np.array(c, dtype=np.int64) for c in
+                                        (columns[0], [_ROLE_ORDER[r] for r in columns[1]], columns[2]))
+        order = np.lexsort((arg_indices, roles, call_ids))
+        records = {c: np.array(columns[i])[order] for i, c in enumerate(RECORD_COLUMNS)}
         floats, ints = self.stats.collect()
-        slots = np.array([row[8] for row in rows], dtype=np.int64)
+        slots = np.array(columns[8], dtype=np.int64)[order]
         has = slots >= 0
         for j, column in enumerate(("min", "max", "mean", "norm")):
             records[column] = np.where(has, floats[slots, j] if len(floats) else np.nan, np.nan)
         for j, column in enumerate(("nan_count", "inf_count", "checksum")):
             records[column] = np.where(has, ints[slots, j] if len(ints) else 0, 0)
         samples = None
-        records["sample_count"] = np.zeros(len(rows), dtype=np.int32)
+        records["sample_count"] = np.zeros(len(order), dtype=np.int32)
         if self.sampler is not None:
-            values, positions, counts = self.sampler.collect(np.array([row[9] for row in rows], dtype=np.int64))
+            values, positions, counts = self.sampler.collect(np.array(columns[9], dtype=np.int64)[order])
             samples, records["sample_count"] = (values, positions), counts
         return StepTables(self.step, calls, records, samples)
+
+
+def _columns(rows: list, width: int) -> list[tuple]:
+    """The columns of equally long rows (`width` empty ones when there are no rows)."""
+    return list(zip(*rows)) if rows else [()] * width
