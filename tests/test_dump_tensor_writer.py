@@ -44,3 +44,17 @@ def test_flush_waits_until_the_step_tensors_are_on_disk(tmp_path):
         dumper.step()
         dumper.flush()
         assert (folder / "000000.h5").exists() and not list(folder.glob("*.partial"))
+
+
+def test_close_frees_the_ring_and_ends_the_answers_thread_before_returning(tmp_path):
+    """Otherwise the ring's last reference can fall to the answers thread while the interpreter
+    exits, and freeing the torch.frombuffer tensor there aborts the process (seen: exit code 134,
+    "terminate called without an active exception")."""
+    writer = TensorWriter(tmp_path / "dump.h5", ring_bytes=1 << 16)
+    writer.begin_step(0)
+    writer.put(torch.ones(100))
+    writer.end_step()
+    writer.close()
+    assert writer._ring.closed and writer._ring_tensor is None
+    assert not writer._answers.is_alive()
+    writer.close()  # twice is harmless

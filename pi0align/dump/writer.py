@@ -147,7 +147,8 @@ class TensorWriter:
         self._commands: list[tuple] = []  # not yet sent
         self._count = 0
         self._answered = threading.Condition()
-        threading.Thread(target=self._read_answers, name="pi0align-tensor-answers", daemon=True).start()
+        self._answers = threading.Thread(target=self._read_answers, name="pi0align-tensor-answers", daemon=True)
+        self._answers.start()
 
     def begin_step(self, step: int) -> str:
         """Start the step's side file; returns its path relative to the dump file."""
@@ -202,12 +203,19 @@ class TensorWriter:
         self._raise_error()
 
     def close(self) -> None:
-        """Wait until every tensor is on disk, end the writer; raise what failed."""
-        if self._process.poll() is None:
-            self.flush()
+        """Wait until every tensor is on disk, end the writer, free the ring; raise what failed."""
+        try:
+            if self._process.poll() is None:
+                self.flush()
+        finally:
             self._closing = True
             self._send_batch(None)
             self._process.wait()
+            self._answers.join()
+            # Freed here: the last reference must not fall to the answers thread, which may be torn
+            # down at interpreter exit, when freeing a torch.frombuffer tensor aborts the process.
+            self._ring_tensor = None
+            self._ring.close()
         self._raise_error()
 
     def _send(self) -> None:
