@@ -133,7 +133,8 @@ class TensorWriter:
         self._ring_bytes = ring_bytes
         fd = os.memfd_create("pi0align-tensors")
         os.ftruncate(fd, ring_bytes)
-        self._ring = mmap.mmap(fd, ring_bytes)
+        # MAP_POPULATE: the pages are allocated now, not at a dumped step's first copy into them
+        self._ring = mmap.mmap(fd, ring_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         self._ring_tensor = torch.frombuffer(self._ring, dtype=torch.uint8)
         self._process = subprocess.Popen([sys.executable, tensor_store.__file__, str(fd), str(ring_bytes),
                                           "1" if compress else "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
