@@ -159,7 +159,6 @@ extern "C" void pi0align_unshuffle(const uint8_t* planes, int64_t n, int width, 
 _KINDS = {np.dtype(np.float64): 0, np.dtype(np.float32): 1, np.dtype(np.float16): 3}
 _BFLOAT16 = 2
 
-
 _FUNCTIONS = {
     "pi0align_error_sums": [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
                             ctypes.c_int64, ctypes.c_void_p],
@@ -176,15 +175,19 @@ class Kernels:
 
     def load(self) -> bool:
         """Whether the compiled loops run in this process (built or found once)."""
-        loaded = self._library.load()
-        self.status = "compiled" if loaded else f"numpy: {self._library.error}"
-        if loaded:
-            self._error_sums, self._unshuffle = (self._library.functions[n] for n in _FUNCTIONS)
-        return loaded
+        if not self.status:
+            if self._library.load():
+                self._error_sums, self._unshuffle = (self._library.functions[n] for n in _FUNCTIONS)
+                self.status = "compiled"
+            else:
+                self.status = f"numpy: {self._library.error}"
+        return self.status == "compiled"
 
     def error_sums(self, a: np.ndarray, b: np.ndarray, bfloat16: bool, sums: np.ndarray) -> None:
         """Adds the sums of rows of a and b (2-D, same shape; bfloat16: both hold raw bfloat16 bits)
         into sums (rows x len(FIELDS), float64, C-contiguous)."""
+        if a.ndim != 2 or a.shape != b.shape or sums.shape != (a.shape[0], len(FIELDS)):
+            raise ValueError(f"error_sums: shapes {a.shape}, {b.shape} and sums {sums.shape} do not match")
         (a, kind_a), (b, kind_b) = (_as_kind(x, bfloat16) for x in (a, b))
         self._error_sums(a.ctypes.data, kind_a, b.ctypes.data, kind_b, a.shape[0], a.shape[1], sums.ctypes.data)
 
