@@ -4,6 +4,7 @@ runs with different data sample the same elements; the values are those elements
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from dump_helpers import Net, find, read_step, train_steps
@@ -50,3 +51,22 @@ def test_positions_change_with_name_role_argument_and_shape():
     for other in (("m/Torch.add#1", "input", 0, (100,)), ("m/Torch.add#0", "output", 0, (100,)),
                   ("m/Torch.add#0", "input", 1, (100,)), ("m/Torch.add#0", "input", 0, (10, 10))):
         assert not np.array_equal(base, sample_positions(*other, SIZE))
+
+
+def test_torch_op_path_samples_the_same_values_as_the_kernel(tmp_path, monkeypatch):
+    """Without a compiler the samples are gathered by torch ops, as on an accelerator."""
+    from conftest import without_compiler
+
+    from pi0align.dump.kernel import KERNEL, Kernel
+
+    if KERNEL.load() != "fused":
+        pytest.skip(f"no fused kernel here ({KERNEL.status})")
+    fused, _ = dump(tmp_path / "fused", 1)
+    without_compiler(tmp_path, monkeypatch)
+    kernel = Kernel()
+    for module in ("stats", "dumper", "sampling"):
+        monkeypatch.setattr(f"pi0align.dump.{module}.KERNEL", kernel)
+    torch_ops, _ = dump(tmp_path / "torch", 1)
+    assert kernel.status.startswith("torch ops:")
+    assert np.array_equal(fused["samples"]["positions"], torch_ops["samples"]["positions"])
+    assert np.array_equal(fused["samples"]["values"], torch_ops["samples"]["values"], equal_nan=True)
