@@ -122,9 +122,10 @@ def _partial_sums(a: np.ndarray, b: np.ndarray, scratch: dict, mask_nonfinite: b
 
 def tensor_metrics(a: Any, b: Any, chunk_elements: int = CHUNK_ELEMENTS, workers: int = WORKERS) -> dict[str, float]:
     """Metrics of two same-shape array-likes (h5py datasets, memmaps), read chunk by chunk.
-    Compressed HDF5 datasets are decoded by `workers` threads (h5chunks.py); other large arrays
-    are split in row ranges whose arithmetic, which releases the GIL, runs in parallel."""
-    accumulators = _reduce_stored_chunks(a, b, chunk_elements, workers)
+    Chunked HDF5 datasets are read and decoded chunk by chunk, as stored, by `workers` threads
+    (h5chunks.py); other arrays are read `chunk_elements` at a time, in row ranges whose
+    arithmetic, which releases the GIL, runs in parallel."""
+    accumulators = _reduce_stored_chunks(a, b, workers)
     if accumulators is None:
         accumulators = _reduce_row_ranges(a, b, chunk_elements, workers)
     total = accumulators[0]
@@ -133,7 +134,7 @@ def tensor_metrics(a: Any, b: Any, chunk_elements: int = CHUNK_ELEMENTS, workers
     return {k: float(v[0]) for k, v in total.result().items()}
 
 
-def _reduce_stored_chunks(a: Any, b: Any, chunk_elements: int, workers: int) -> list[ErrorAccumulator] | None:
+def _reduce_stored_chunks(a: Any, b: Any, workers: int) -> list[ErrorAccumulator] | None:
     # imported here: h5chunks loads hdf5plugin, needed only once tensors are read
     from pi0align.compare.h5chunks import ChunkBuffers, chunk_pairs
 

@@ -174,8 +174,6 @@ extern "C" void pi0align_gather(const void* data, int kind, const int64_t* offse
 _KINDS = {torch.bool: 0, torch.uint8: 1, torch.int8: 2, torch.int16: 3, torch.bfloat16: 4, torch.float16: 5,
           torch.int32: 6, torch.float32: 7, torch.int64: 8, torch.float64: 9}
 _MAX_DIMS = 16  # the kernel's odometer
-
-
 _SIZES = ctypes.POINTER(ctypes.c_int64)
 _FUNCTIONS = {
     "pi0align_stats": [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, _SIZES, _SIZES, _SIZES,
