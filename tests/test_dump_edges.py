@@ -78,6 +78,20 @@ def test_in_place_calls_record_their_input_before_and_output_after(edges):
     assert (records["mean"][before], records["mean"][after]) == (1.0, 11 / 3)
 
 
+def test_batch_norm_running_statistics_are_recorded_before_the_call_updates_them(tmp_path):
+    """F.batch_norm updates its running_mean argument in place, without a trailing underscore."""
+    norm = torch.nn.BatchNorm1d(4)
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0)) + 3
+    with Dumper(tmp_path, steps=[0], level="api") as dumper:
+        dumper.start()
+        norm(x)
+        dumper.step()
+    step = read_step(tmp_path / "dump.h5", 0)
+    running_mean = find(step, "/Functional.batch_norm#0", "forward", "input", 1)
+    assert step["records"]["mean"][running_mean] == 0.0  # as it went in, not as the call left it
+    assert norm.running_mean.mean().item() > 0.1
+
+
 def test_masked_statistics_agree_with_the_fast_path_on_finite_tensors():
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     batch = StatsBatch(ChecksumWeights())

@@ -4,9 +4,13 @@ the dumper falls back to torch ops and says so."""
 
 from __future__ import annotations
 
+import gc
 import math
+import os
+import weakref
 
 import h5py
+import numpy as np
 import pytest
 import torch
 from conftest import without_compiler
@@ -23,8 +27,15 @@ def as_numbers(result: tuple) -> tuple:
     return tuple(0 if v is None else (v.item() if isinstance(v, torch.Tensor) else v) for v in result)
 
 
+def fused_stats(x: torch.Tensor, queued: bool = False) -> tuple:
+    floats, ints = np.zeros(4), np.zeros(3, dtype=np.int64)
+    KERNEL.stats(x, floats.ctypes.data, ints.ctypes.data, queued)
+    KERNEL.wait()
+    return (*floats.tolist(), *ints.tolist())
+
+
 def assert_same_as_torch(x: torch.Tensor) -> None:
-    fused = KERNEL.stats(x)
+    fused = fused_stats(x)
     reference = as_numbers(torch_stats(x, ChecksumWeights()))
     assert fused[4:] == reference[4:]  # NaN count, Inf count, checksum: exact
     assert fused[:2] == reference[:2]  # min and max: exact in any order
@@ -59,13 +70,13 @@ def test_fused_statistics_equal_the_torch_path(dtype, numel):
 def test_checksum_follows_the_format_on_small_tensors():
     for dtype in DTYPES:
         x = values(dtype, 300, special=dtype.is_floating_point)
-        assert KERNEL.stats(x)[6] == reference_checksum(x)
+        assert fused_stats(x)[6] == reference_checksum(x)
 
 
 def test_every_float16_value_converts_exactly():
     x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
     finite = x.double()[torch.isfinite(x)]
-    lo, hi, total, _, nan, inf, _ = KERNEL.stats(x)
+    lo, hi, total, _, nan, inf, _ = fused_stats(x)
     assert (lo, hi, total, nan, inf) == (finite.min().item(), finite.max().item(), finite.sum().item(), 2046, 2)
 
 
@@ -78,14 +89,14 @@ def test_views_are_read_in_place_with_row_major_positions(view):
     base = torch.randn(6, 5, 4, 3, generator=torch.Generator().manual_seed(0))
     x = view(base)
     assert_same_as_torch(x)
-    assert KERNEL.stats(x)[6] == reference_checksum(x)
+    assert fused_stats(x)[6] == reference_checksum(x)
     with_nan = x.clone().transpose(0, -1).contiguous().transpose(0, -1)  # non-contiguous again
     with_nan[(0,) * x.dim()] = math.nan
     assert_same_as_torch(with_nan)
 
 
 def test_empty_tensor():
-    assert KERNEL.stats(torch.empty(0)) == (math.inf, -math.inf, 0.0, 0.0, 0, 0, 0)
+    assert fused_stats(torch.empty(0)) == (math.inf, -math.inf, 0.0, 0.0, 0, 0, 0)
 
 
 def test_without_a_compiler_the_torch_path_runs_and_the_file_says_so(tmp_path, monkeypatch):
@@ -104,3 +115,51 @@ def test_without_a_compiler_the_torch_path_runs_and_the_file_says_so(tmp_path, m
         records = f["steps/000000/records"]
         assert (records["min"][0], records["max"][0], records["nan_count"][0]) == (-2.0, 1.0, 1)
         assert records["checksum"][0] == reference_checksum(x)
+
+
+def test_queued_statistics_and_samples_equal_those_computed_at_once():
+    tensors = [values(dtype, numel, special=dtype.is_floating_point)
+               for dtype in DTYPES for numel in (1, 300, 4097, 100_003)]
+    tensors += [t.t() for t in (torch.randn(300, 70), torch.randn(5, 4097))]
+    floats, ints = np.zeros((len(tensors), 4)), np.zeros((len(tensors), 3), dtype=np.int64)
+    offsets = np.array([0, 2, 1, 0], dtype=np.int64)
+    samples = np.zeros((len(tensors), len(offsets)))
+    for i, x in enumerate(tensors):
+        KERNEL.stats(x, floats[i].ctypes.data, ints[i].ctypes.data, queued=True)
+        KERNEL.gather(x, offsets if x.numel() >= 3 else offsets[:1] * 0, samples[i], queued=True)
+    KERNEL.wait()
+    for i, x in enumerate(tensors):
+        assert (*floats[i].tolist(), *ints[i].tolist()) == fused_stats(x)
+        at_once = np.zeros(len(offsets))
+        KERNEL.gather(x, offsets if x.numel() >= 3 else offsets[:1] * 0, at_once)
+        assert np.array_equal(samples[i], at_once, equal_nan=True)
+
+
+def test_queued_tensors_are_let_go_once_their_statistics_are_taken():
+    """A step's temporaries must not live until its end because their statistics were queued."""
+    out = np.zeros((1000, 7))
+    x = torch.randn(1000)
+    alive = weakref.ref(x)
+    KERNEL.stats(x, out[0].ctypes.data, out[0, 4:].ctypes.data, queued=True)
+    del x
+    for row in range(1, 1000):  # more queued calls: the kernel lets go of those that have run
+        KERNEL.stats(torch.ones(10), out[row].ctypes.data, out[row, 4:].ctypes.data, queued=True)
+    gc.collect()
+    assert alive() is None and len(KERNEL._queued) < 1000
+    KERNEL.wait()
+    assert not KERNEL._queued and (out[1:, 2] == 10).all()
+
+
+def test_a_forked_child_queues_on_its_own_thread():
+    """The parent's kernel thread does not exist in a forked child (a DataLoader worker, say)."""
+    fused_stats(torch.ones(3), queued=True)  # the parent's thread is running
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(write, b"ok" if fused_stats(torch.arange(4.0), queued=True)[2] == 6.0 else b"no")
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 2) == b"ok"

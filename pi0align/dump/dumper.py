@@ -68,12 +68,14 @@ class Dumper:
         self._tensors_file: str | None = None
         self._capture: Capture | None = None
         self._weights = ChecksumWeights()
-        # CPU statistics on a second thread: only where every in-place call is seen (api, mix),
-        # since a queued tensor must not change before its statistics are taken, and only on the
-        # torch-op path: the fused kernel costs less than the thread's GIL hand-offs (measured).
-        threaded = level != "module" and KERNEL.load() != "fused"
-        self._worker = StatsWorker(self._weights) if threaded else None
-        self._sampler = Sampler(sample_size) if mode == "sample" else None
+        # CPU statistics and samples off the training thread only where every in-place call is
+        # seen (api, mix): a queued tensor must not change before they are taken. The fused
+        # kernel has a thread of its own; the torch-op path gets a Python one.
+        off_thread = level != "module"
+        fused = KERNEL.load() == "fused"
+        self._worker = StatsWorker(self._weights) if off_thread and not fused else None
+        self._queued = off_thread and fused
+        self._sampler = Sampler(sample_size, self._queued) if mode == "sample" else None
         self._metrics: list[tuple] = []
         self._started = False
         self._rank, self._world_size = _rank_and_world_size()  # again at start(): after init_process_group
@@ -193,7 +195,8 @@ class Dumper:
             if self._tensors is not None:
                 self._tensors_file = self._tensors.begin_step(self._step)
                 sink = self._tensors.put
-            self._capture.begin_step(StepLog(self._step, self._weights, self._sampler, sink, self._worker))
+            log = StepLog(self._step, self._weights, self._sampler, sink, self._worker, self._queued)
+            self._capture.begin_step(log)
 
     def _uninstall(self) -> None:
         if self._capture is not None and self._capture.installed:

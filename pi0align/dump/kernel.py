@@ -3,25 +3,34 @@
 The torch-op path reads a tensor about six times (min, max, sum, sum of squares, the checksum's
 row and column sums) and allocates for the conversions; this kernel reads it once, accumulating
 in float64, and counts NaN and Inf in a second pass only when the sums say there are any. It is
-plain C++ behind a C entry point, built with the system compiler on first use (native.py) and
-called through ctypes (which releases the GIL, so the statistics thread runs beside training).
-No OpenMP threads: one tensor, one core. Without a compiler the dumper keeps the torch-op path;
-`KERNEL.status` says which path runs. It also gathers sample mode's elements, for the same reasons.
+plain C++ behind C entry points, built with the system compiler on first use (native.py) and
+called through ctypes. Calls run at once, or queued for the kernel's own C++ thread, which works
+beside training without the GIL; one tensor, one core. Without a compiler the dumper keeps the
+torch-op path; `KERNEL.status` says which path runs. It also gathers sample mode's elements, for
+the same reasons.
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
 import ctypes
 
 import numpy as np
 import torch
 
-from pi0align.native import Library
+from pi0align.native import FLAGS, Library
 
 _SOURCE = r"""
+#include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <unistd.h>
 
 namespace {
 
@@ -158,11 +167,134 @@ using Gather = void (*)(const void*, const int64_t*, int64_t, double*);
 const Gather GATHERS[] = {gather<Bool>, gather<U8>, gather<I8>, gather<I16>, gather<BF16>, gather<F16>,
                           gather<I32>, gather<F32>, gather<I64>, gather<F64>};
 
+// A queued statistics job (offsets == nullptr) or gather job; sizes copied, the caller's arrays
+// may go as soon as it is queued.
+struct Job {
+  const void* data; int kind, ndim;
+  int64_t size[16], stride[16], step[16];
+  double* out_f; int64_t* out_i;
+  const int64_t* offsets; int64_t n;
+  int64_t elements;  // read by the job
+};
+
+void execute(const Job& job) {
+  if (job.offsets == nullptr) KINDS[job.kind](job.data, job.ndim, job.size, job.stride, job.step, job.out_f, job.out_i);
+  else GATHERS[job.kind](job.data, job.offsets, job.n, job.out_f);
+}
+
+// A sleeping worker is woken once this much work is queued, or by wait(): waking a thread costs
+// the caller tens of microseconds on a virtual machine, too much to pay per tensor.
+constexpr int64_t WAKE_ELEMENTS = 1 << 20;
+constexpr size_t WAKE_JOBS = 64;
+
+// One worker thread that runs queued jobs in order while the caller goes on. It is created on
+// first use and never destroyed (detached, so interpreter exit never joins or destroys it); a
+// forked child, which has no such thread, makes its own.
+struct Queue {
+  std::mutex mutex;
+  std::condition_variable work, idle;
+  std::deque<Job> jobs;
+  int64_t queued_elements = 0;
+  bool sleeping = false, busy = false;
+  std::atomic<int64_t> finished{0};  // jobs run so far, in queue order
+  pid_t pid = getpid();
+
+  Queue() { std::thread([this] { run(); }).detach(); }
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex);
+    while (true) {
+      if (jobs.empty()) {
+        sleeping = true;
+        idle.notify_all();
+        work.wait(lock, [this] { return !sleeping; });
+        continue;
+      }
+      Job job = jobs.front();
+      jobs.pop_front();
+      queued_elements -= job.elements;
+      busy = true;
+      lock.unlock();
+      execute(job);
+      lock.lock();
+      busy = false;
+      finished.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  void wake() {  // with the lock held
+    if (sleeping && !jobs.empty()) sleeping = false, work.notify_one();
+  }
+
+  void push(const Job& job) {
+    std::lock_guard<std::mutex> lock(mutex);
+    jobs.push_back(job);
+    queued_elements += job.elements;
+    if (queued_elements >= WAKE_ELEMENTS || jobs.size() >= WAKE_JOBS) wake();
+  }
+
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex);
+    wake();
+    idle.wait(lock, [this] { return jobs.empty() && !busy; });
+  }
+};
+
+Queue* the_queue = nullptr;
+std::mutex creating;
+
+Queue& queue() {
+  std::lock_guard<std::mutex> lock(creating);
+  if (the_queue == nullptr || the_queue->pid != getpid()) the_queue = new Queue();
+  return *the_queue;
+}
+
+Job job_of(const void* data, int kind, int ndim, const int64_t* size, const int64_t* stride, const int64_t* step) {
+  Job job{data, kind, ndim, {}, {}, {}, nullptr, nullptr, nullptr, 0, 1};
+  for (int d = 0; d < ndim; ++d) job.elements *= size[d];
+  std::memcpy(job.size, size, ndim * sizeof(int64_t));
+  std::memcpy(job.stride, stride, ndim * sizeof(int64_t));
+  std::memcpy(job.step, step, ndim * sizeof(int64_t));
+  return job;
+}
+
 }  // namespace
+
+// Queued versions: results land in out_f / out_i (out) after pi0align_wait() returns. The data
+// must stay alive and unchanged until then.
+extern "C" void pi0align_queue_stats(const void* data, int kind, int ndim, const int64_t* size, const int64_t* stride,
+                                     const int64_t* step, double* out_f, int64_t* out_i) {
+  Job job = job_of(data, kind, ndim, size, stride, step);
+  job.out_f = out_f, job.out_i = out_i;
+  queue().push(job);
+}
+
+extern "C" void pi0align_queue_dense_stats(const void* data, int kind, int64_t numel, double* out_f, int64_t* out_i) {
+  const int64_t one = 1;
+  pi0align_queue_stats(data, kind, 1, &numel, &one, &one, out_f, out_i);
+}
+
+extern "C" void pi0align_queue_gather(const void* data, int kind, const int64_t* offsets, int64_t n, double* out) {
+  Job job{data, kind, 0, {}, {}, {}, out, nullptr, offsets, n, n};
+  queue().push(job);
+}
+
+extern "C" void pi0align_wait() {
+  if (the_queue != nullptr && the_queue->pid == getpid()) the_queue->wait();
+}
+
+extern "C" void pi0align_finished(int64_t* out) {
+  *out = the_queue == nullptr ? 0 : the_queue->finished.load(std::memory_order_acquire);
+}
 
 extern "C" void pi0align_stats(const void* data, int kind, int ndim, const int64_t* size, const int64_t* stride,
                                const int64_t* step, double* out_f, int64_t* out_i) {
   KINDS[kind](data, ndim, size, stride, step, out_f, out_i);
+}
+
+extern "C" void pi0align_dense_stats(const void* data, int kind, int64_t numel, double* out_f, int64_t* out_i) {
+  const int64_t one = 1;
+  KINDS[kind](data, 1, &numel, &one, &one, out_f, out_i);
 }
 
 extern "C" void pi0align_gather(const void* data, int kind, const int64_t* offsets, int64_t n, double* out) {
@@ -174,50 +306,85 @@ extern "C" void pi0align_gather(const void* data, int kind, const int64_t* offse
 _KINDS = {torch.bool: 0, torch.uint8: 1, torch.int8: 2, torch.int16: 3, torch.bfloat16: 4, torch.float16: 5,
           torch.int32: 6, torch.float32: 7, torch.int64: 8, torch.float64: 9}
 _MAX_DIMS = 16  # the kernel's odometer
-_SIZES = ctypes.POINTER(ctypes.c_int64)
-_FUNCTIONS = {
-    "pi0align_stats": [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, _SIZES, _SIZES, _SIZES,
-                       ctypes.POINTER(ctypes.c_double), _SIZES],
-    "pi0align_gather": [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p],
-}
+_P, _INT, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_STATS = [_P, _INT, _INT, _P, _P, _P, _P, _P]  # data, kind, ndim, sizes, strides, steps, floats, ints
+_DENSE = [_P, _INT, _I64, _P, _P]  # data, kind, numel, floats, ints
+_GATHER = [_P, _INT, _P, _I64, _P]  # data, kind, offsets, count, values
+_FUNCTIONS = {"pi0align_stats": _STATS, "pi0align_dense_stats": _DENSE, "pi0align_gather": _GATHER,
+              "pi0align_queue_stats": _STATS, "pi0align_queue_dense_stats": _DENSE, "pi0align_queue_gather": _GATHER,
+              "pi0align_wait": [], "pi0align_finished": [ctypes.POINTER(ctypes.c_int64)]}
+_RELEASE_EVERY = 64  # queued calls between two looks at which have run
 
 
 class Kernel:
-    """The compiled kernel, loaded by the first `supports` (or `load`) call."""
+    """The compiled kernel, loaded by the first `supports` (or `load`) call.
+
+    Each call runs now, or is queued (`queued=True`) for the kernel's own thread, which works
+    through the queue while training goes on: `wait()` returns once it is empty. Queued tensors
+    are kept alive until then; they must not change meanwhile (the caller waits before an
+    in-place call).
+    """
 
     def __init__(self) -> None:
-        self._library = Library("stats", _SOURCE, _FUNCTIONS)
+        self._library = Library("stats", _SOURCE, _FUNCTIONS, [*FLAGS, "-pthread"])
         self.status = ""  # "" until loaded, then "fused" or "torch ops: <why>"
+        self._queued: collections.deque[torch.Tensor] = collections.deque()  # in queue order
+        self._released = 0  # queued calls whose tensor was let go
+        self._finished = ctypes.c_int64()
 
     def load(self) -> str:
         """Build or find the kernel once per process; returns `status`."""
         loaded = self._library.load()
         self.status = "fused" if loaded else f"torch ops: {self._library.error}"
         if loaded:
-            self._function, self._gather = (self._library.functions[n] for n in _FUNCTIONS)
+            self._c = self._library.functions
+            atexit.register(self.wait)  # no queued job may outlive the tensors it reads
         return self.status
 
     def supports(self, tensor: torch.Tensor) -> bool:
         """Whether `stats` and `gather` take this tensor (a strided CPU tensor of a known dtype)."""
         return tensor.device.type == "cpu" and tensor.dtype in _KINDS and (self.status or self.load()) == "fused"
 
-    def stats(self, tensor: torch.Tensor) -> tuple:
-        """(min, max, sum, sum of squares, NaN count, Inf count, checksum) as Python numbers."""
-        data = tensor.detach()
-        if data.dim() > _MAX_DIMS:
-            data = data.contiguous()
-        size, stride, step = _layout(data)
+    def stats(self, tensor: torch.Tensor, floats: int, ints: int, queued: bool = False) -> None:
+        """Write min, max, sum and sum of squares of the finite elements to the 4 float64 at address
+        `floats`, and the NaN count, Inf count and checksum to the 3 int64 at address `ints`."""
+        if tensor.dim() > _MAX_DIMS:
+            tensor = tensor.contiguous()
+        if queued:
+            self._keep(tensor)
+        prefix = "pi0align_queue_" if queued else "pi0align_"
+        if tensor.is_contiguous():
+            self._c[prefix + "dense_stats"](tensor.data_ptr(), _KINDS[tensor.dtype], tensor.numel(), floats, ints)
+            return
+        size, stride, step = _layout(tensor)
         n = len(size)
-        floats, ints = (ctypes.c_double * 4)(), (ctypes.c_int64 * 3)()
-        self._function(data.data_ptr(), _KINDS[data.dtype], n, (ctypes.c_int64 * n)(*size),
-                       (ctypes.c_int64 * n)(*stride), (ctypes.c_int64 * n)(*step), floats, ints)
-        return (*floats, *ints)
+        self._c[prefix + "stats"](tensor.data_ptr(), _KINDS[tensor.dtype], n, (ctypes.c_int64 * n)(*size),
+                                  (ctypes.c_int64 * n)(*stride), (ctypes.c_int64 * n)(*step), floats, ints)
 
-    def gather(self, tensor: torch.Tensor, offsets: np.ndarray) -> np.ndarray:
-        """float64 values of the elements at memory `offsets` (int64, from the first element)."""
-        out = np.empty(len(offsets))
-        self._gather(tensor.data_ptr(), _KINDS[tensor.dtype], offsets.ctypes.data, len(offsets), out.ctypes.data)
-        return out
+    def gather(self, tensor: torch.Tensor, offsets: np.ndarray, values: np.ndarray, queued: bool = False) -> None:
+        """Write the elements at memory `offsets` (int64, from the first element; kept unchanged
+        until `wait()` when queued) to `values` as float64."""
+        if queued:
+            self._keep(tensor)
+        function = self._c["pi0align_queue_gather" if queued else "pi0align_gather"]
+        function(tensor.data_ptr(), _KINDS[tensor.dtype], offsets.ctypes.data, len(offsets), values.ctypes.data)
+
+    def wait(self) -> None:
+        """Return once every queued call has run."""
+        if self._queued:
+            self._c["pi0align_wait"]()
+            self._released += len(self._queued)
+            self._queued.clear()
+
+    def _keep(self, tensor: torch.Tensor) -> None:
+        """Hold a queued tensor until its call has run; let go of those that have (a step's
+        temporaries must not all live until its end)."""
+        self._queued.append(tensor)
+        if (self._released + len(self._queued)) % _RELEASE_EVERY == 0:  # calls queued so far
+            self._c["pi0align_finished"](self._finished)
+            for _ in range(self._finished.value - self._released):
+                self._queued.popleft()
+            self._released = self._finished.value
 
 
 def _layout(tensor: torch.Tensor) -> tuple[list[int], list[int], list[int]]:

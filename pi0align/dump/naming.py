@@ -81,10 +81,15 @@ class Namer:
         return f"{module}/{api}#{k}"
 
 
+# Calls that update tensor arguments without saying so: the running statistics of normalisations.
+_UPDATES_ARGUMENTS = frozenset({"Functional.batch_norm", "Functional.instance_norm", "Torch.batch_norm",
+                                "Torch.instance_norm"})
+
+
 def is_inplace(api: str, kwargs: dict) -> bool:
     """Whether a call may write into one of its tensor arguments (their statistics come first)."""
     method = api.rsplit(".", 1)[-1]
-    if kwargs.get("out") is not None or kwargs.get("inplace") is True:
+    if kwargs.get("out") is not None or kwargs.get("inplace") is True or api in _UPDATES_ARGUMENTS:
         return True
     if method.startswith("__"):
         return method.startswith("__i") or method == "__setitem__"

@@ -25,8 +25,9 @@ class Sampler:
     """Gathers the sampled elements of captured tensors (CPU ones with the fused kernel, others on
     their device, both without copying views); positions and memory offsets are cached."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, queued: bool = False) -> None:
         self.size = size
+        self.queued = queued  # gathered on the fused kernel's thread: values ready after KERNEL.wait()
         self._cache: dict[tuple, tuple] = {}  # -> (positions, memory offsets, offsets on the device or None)
         self._values: list[np.ndarray | torch.Tensor] = []  # per row: float64, on the host or the tensor's device
         self._positions: list[np.ndarray] = []
@@ -42,7 +43,9 @@ class Sampler:
             cached = self._cache[key] = (positions, offsets, on_device)
         positions, offsets, on_device = cached
         if on_device is None:
-            self._values.append(KERNEL.gather(tensor, offsets))
+            values = np.empty(len(offsets))
+            KERNEL.gather(tensor, offsets, values, self.queued)
+            self._values.append(values)
         else:
             memory = tensor.detach().as_strided((_extent(tensor),), (1,))  # the elements' span, views not copied
             self._values.append(memory.index_select(0, on_device).to(torch.float64))
@@ -52,6 +55,7 @@ class Sampler:
     def collect(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For queued rows `rows` (-1: none), (values [n, size] NaN-padded, positions [n, size]
         -1-padded, counts [n]); one copy to the host per device, and the queue is emptied."""
+        KERNEL.wait()
         values = np.full((len(rows), self.size), np.nan)
         positions = np.full((len(rows), self.size), -1, dtype=np.int64)
         counts = np.zeros(len(rows), dtype=np.int32)

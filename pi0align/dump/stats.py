@@ -3,9 +3,10 @@
 `StatsBatch.add` queues a handful of reductions per tensor and returns a slot; `collect` stacks
 every slot's results and copies them to the host in one transfer per device. Nothing here reads a
 value back per tensor on an accelerator. On the CPU the fused kernel (`kernel.py`) reads each
-tensor once and returns host values; where it cannot run, torch ops do the work, one finiteness
-check picking the cheap unmasked path for the (usual) tensors without NaN or Inf. A `StatsWorker`
-thread can take the CPU work off the training thread.
+tensor once, on the kernel's own thread when the capture sees every in-place call, and writes
+host values; where it cannot run, torch ops do the work, one finiteness check picking the cheap
+unmasked path for the (usual) tensors without NaN or Inf, and a `StatsWorker` thread can take
+that work off the training thread.
 """
 
 from __future__ import annotations
@@ -90,16 +91,10 @@ def _dot(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.sum(values * weights, dtype=values.dtype)
 
 
-def tensor_stats(tensor: torch.Tensor, weights: ChecksumWeights) -> tuple:
-    """(min, max, sum, sum of squares, NaN count, Inf count, checksum): Python numbers from the
-    fused CPU kernel, else 0-d tensors on the tensor's device with the counts None when known to be 0."""
-    if KERNEL.supports(tensor):
-        return KERNEL.stats(tensor)
-    return torch_stats(tensor, weights)
-
-
 def torch_stats(tensor: torch.Tensor, weights: ChecksumWeights) -> tuple:
-    """`tensor_stats` in torch ops on the tensor's device (accelerators, and the CPU without the kernel)."""
+    """(min, max, sum, sum of squares, NaN count, Inf count, checksum) as 0-d tensors on the
+    tensor's device, the counts None when known to be 0: accelerators, and the CPU without the
+    fused kernel."""
     flat = tensor.detach().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
@@ -163,7 +158,7 @@ class StatsWorker:
         results, slot, tensor = item
         try:
             with torch._C.DisableTorchFunction():
-                results[slot] = tensor_stats(tensor, self._weights)
+                results[slot] = torch_stats(tensor, self._weights)
         except BaseException as error:  # noqa: BLE001 - raised by drain() in the training thread
             self._error = error
         finally:
@@ -174,13 +169,16 @@ class StatsWorker:
 
 class StatsBatch:
     """Statistics of every tensor captured in one step, gathered on the device until `collect`.
-    CPU tensors go to `worker` when one is given."""
+    CPU tensors the fused kernel takes are written to host arrays, by the kernel's own thread when
+    `queued`; other CPU tensors go to `worker` when one is given; the rest to torch ops."""
 
-    def __init__(self, weights: ChecksumWeights, worker: StatsWorker | None = None) -> None:
+    def __init__(self, weights: ChecksumWeights, worker: StatsWorker | None = None, queued: bool = False) -> None:
         self._weights = weights
         self._worker = worker
-        self._results: list[tuple | None] = []  # per slot, see tensor_stats
+        self._queued = queued
+        self._results: list[tuple | None] = []  # per slot: torch_stats' tensors, or None
         self._numel: list[int] = []
+        self._floats, self._ints = np.full((0, 4), np.nan), np.zeros((0, 3), dtype=np.int64)  # the kernel's
 
     def __len__(self) -> int:
         return len(self._numel)
@@ -190,14 +188,29 @@ class StatsBatch:
         slot = len(self._numel)
         self._numel.append(tensor.numel())
         self._results.append(None)
-        if self._worker is not None and tensor.device.type == "cpu":
+        if KERNEL.supports(tensor):
+            if slot >= len(self._floats):
+                self._grow(slot + 1)
+            KERNEL.stats(tensor, self._floats_at + 32 * slot, self._ints_at + 24 * slot, self._queued)
+        elif self._worker is not None and tensor.device.type == "cpu":
             self._worker.submit(self._results, slot, tensor)
         else:
-            self._results[slot] = tensor_stats(tensor, self._weights)
+            self._results[slot] = torch_stats(tensor, self._weights)
         return slot
+
+    def _grow(self, needed: int) -> None:
+        """At least twice the kernel's rows, once the queued calls that write into them have run."""
+        self.drain()
+        rows = max(256, needed, 2 * len(self._floats))
+        floats, ints = np.full((rows, 4), np.nan), np.zeros((rows, 3), dtype=np.int64)
+        floats[: len(self._floats)], ints[: len(self._ints)] = self._floats, self._ints
+        self._floats, self._ints = floats, ints
+        self._floats_at, self._ints_at = floats.ctypes.data, ints.ctypes.data
 
     def drain(self) -> None:
         """Wait for the statistics queued so far (a queued tensor is about to change)."""
+        if self._queued:
+            KERNEL.wait()
         if self._worker is not None:
             self._worker.drain()
 
@@ -207,11 +220,9 @@ class StatsBatch:
         n = len(self)
         floats = np.full((n, 4), np.nan)
         ints = np.zeros((n, 3), dtype=np.int64)
-        on_host = [slot for slot, r in enumerate(self._results) if not isinstance(r[0], torch.Tensor)]
-        if on_host:
-            floats[on_host] = [self._results[slot][:4] for slot in on_host]
-            ints[on_host] = np.array([self._results[slot][4:] for slot in on_host], dtype=np.int64)
-        on_device = [slot for slot, r in enumerate(self._results) if isinstance(r[0], torch.Tensor)]
+        rows = min(n, len(self._floats))
+        floats[:rows], ints[:rows] = self._floats[:rows], self._ints[:rows]
+        on_device = [slot for slot, r in enumerate(self._results) if r is not None]
         if on_device:
             results = [self._results[slot] for slot in on_device]
             floats[on_device] = _stack_to_host([value for r in results for value in r[:4]]).reshape(-1, 4)

@@ -79,13 +79,14 @@ class StepLog:
     sampler: Sampler | None
     tensor_sink: object | None  # callable(torch.Tensor) -> str, or None
     worker: StatsWorker | None = None
+    queued: bool = False  # CPU statistics on the fused kernel's thread
     calls: list[tuple] = field(default_factory=list)
     records: list[list] = field(default_factory=list)  # RECORD_COLUMNS + [slot, sample row]
     seen: dict[tuple, _Seen] = field(default_factory=dict)  # _elements_key -> what to reuse
     stats: StatsBatch = None
 
     def __post_init__(self) -> None:
-        self.stats = StatsBatch(self.weights, self.worker)
+        self.stats = StatsBatch(self.weights, self.worker, self.queued)
 
     def open_call(self, name: str, module: str, api: str, direction: str, stack_id: int, args: str) -> int:
         self.calls.append((len(self.calls), name, module, api, direction, stack_id, args))
