@@ -126,12 +126,13 @@ def test_queued_statistics_and_samples_equal_those_computed_at_once():
     samples = np.zeros((len(tensors), len(offsets)))
     for i, x in enumerate(tensors):
         KERNEL.stats(x, floats[i].ctypes.data, ints[i].ctypes.data, queued=True)
-        KERNEL.gather(x, offsets if x.numel() >= 3 else offsets[:1] * 0, samples[i], queued=True)
+        KERNEL.gather(x, offsets.ctypes.data, len(offsets) if x.numel() >= 3 else 1, samples[i].ctypes.data,
+                      queued=True)
     KERNEL.wait()
     for i, x in enumerate(tensors):
         assert (*floats[i].tolist(), *ints[i].tolist()) == fused_stats(x)
         at_once = np.zeros(len(offsets))
-        KERNEL.gather(x, offsets if x.numel() >= 3 else offsets[:1] * 0, at_once)
+        KERNEL.gather(x, offsets.ctypes.data, len(offsets) if x.numel() >= 3 else 1, at_once.ctypes.data)
         assert np.array_equal(samples[i], at_once, equal_nan=True)
 
 

@@ -361,13 +361,14 @@ class Kernel:
         self._c[prefix + "stats"](tensor.data_ptr(), _KINDS[tensor.dtype], n, (ctypes.c_int64 * n)(*size),
                                   (ctypes.c_int64 * n)(*stride), (ctypes.c_int64 * n)(*step), floats, ints)
 
-    def gather(self, tensor: torch.Tensor, offsets: np.ndarray, values: np.ndarray, queued: bool = False) -> None:
-        """Write the elements at memory `offsets` (int64, from the first element; kept unchanged
-        until `wait()` when queued) to `values` as float64."""
+    def gather(self, tensor: torch.Tensor, offsets: int, count: int, values: int, queued: bool = False) -> None:
+        """Write the `count` elements at the memory offsets held by the int64 array at address
+        `offsets` (from the first element; kept alive and unchanged until `wait()` when queued) to
+        the float64 array at address `values`."""
         if queued:
             self._keep(tensor)
         function = self._c["pi0align_queue_gather" if queued else "pi0align_gather"]
-        function(tensor.data_ptr(), _KINDS[tensor.dtype], offsets.ctypes.data, len(offsets), values.ctypes.data)
+        function(tensor.data_ptr(), _KINDS[tensor.dtype], offsets, count, values)
 
     def wait(self) -> None:
         """Return once every queued call has run."""

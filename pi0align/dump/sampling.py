@@ -22,15 +22,19 @@ def sample_positions(name: str, role: str, arg_index: int, shape: tuple[int, ...
 
 
 class Sampler:
-    """Gathers the sampled elements of captured tensors (CPU ones with the fused kernel, others on
-    their device, both without copying views); positions and memory offsets are cached."""
+    """Gathers the sampled elements of captured tensors (CPU ones with the fused kernel, straight
+    into a host table, others on their device, both without copying views); positions and memory
+    offsets are cached per record name and layout."""
 
     def __init__(self, size: int, queued: bool = False) -> None:
         self.size = size
         self.queued = queued  # gathered on the fused kernel's thread: values ready after KERNEL.wait()
-        self._cache: dict[tuple, tuple] = {}  # -> (positions, memory offsets, offsets on the device or None)
-        self._values: list[np.ndarray | torch.Tensor] = []  # per row: float64, on the host or the tensor's device
-        self._positions: list[np.ndarray] = []
+        # -> (positions -1-padded to `size`, count, memory offsets, their address, offsets on the device or None)
+        self._cache: dict[tuple, tuple] = {}
+        self._host = np.full((0, size), np.nan)  # per row, float64 NaN-padded: the kernel writes here
+        self._on_device: dict[int, torch.Tensor] = {}  # row -> float64 values on the tensor's device
+        self._positions: list[np.ndarray] = []  # per row, -1-padded
+        self._counts: list[int] = []
 
     def add(self, tensor: torch.Tensor, name: str, role: str, arg_index: int) -> int:
         """Queue the sample of one record; returns its row."""
@@ -39,48 +43,52 @@ class Sampler:
         if cached is None:
             positions = sample_positions(name, role, arg_index, tuple(tensor.shape), self.size)
             offsets = _memory_offsets(positions, tensor)
+            padded = np.full(self.size, -1, dtype=np.int64)
+            padded[: len(positions)] = positions
             on_device = None if KERNEL.supports(tensor) else torch.from_numpy(offsets).to(tensor.device)
-            cached = self._cache[key] = (positions, offsets, on_device)
-        positions, offsets, on_device = cached
+            cached = self._cache[key] = (padded, len(positions), offsets, offsets.ctypes.data, on_device)
+        padded, count, offsets, offsets_at, on_device = cached
+        row = len(self._positions)
         if on_device is None:
-            values = np.empty(len(offsets))
-            KERNEL.gather(tensor, offsets, values, self.queued)
-            self._values.append(values)
+            if row + 1 >= len(self._host):  # one row to spare: the NaN row of records without a sample
+                self._grow(row + 2)
+            KERNEL.gather(tensor, offsets_at, count, self._host_at + self._host.strides[0] * row, self.queued)
         else:
             memory = tensor.detach().as_strided((_extent(tensor),), (1,))  # the elements' span, views not copied
-            self._values.append(memory.index_select(0, on_device).to(torch.float64))
-        self._positions.append(positions)
-        return len(self._positions) - 1
+            self._on_device[row] = memory.index_select(0, on_device).to(torch.float64)
+        self._positions.append(padded)
+        self._counts.append(count)
+        return row
+
+    def _grow(self, needed: int) -> None:
+        """At least twice the host table's rows, once the queued gathers into it have run."""
+        KERNEL.wait()
+        host = np.full((max(256, needed, 2 * len(self._host)), self.size), np.nan)
+        host[: len(self._host)] = self._host
+        self._host, self._host_at = host, host.ctypes.data
 
     def collect(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For queued rows `rows` (-1: none), (values [n, size] NaN-padded, positions [n, size]
         -1-padded, counts [n]); one copy to the host per device, and the queue is emptied."""
         KERNEL.wait()
-        values = np.full((len(rows), self.size), np.nan)
-        positions = np.full((len(rows), self.size), -1, dtype=np.int64)
-        counts = np.zeros(len(rows), dtype=np.int32)
-        starts = np.cumsum([0] + [p.size for p in self._positions])
-        flat_values = np.empty(starts[-1])
+        queued = len(self._positions)
+        if queued + 1 > len(self._host):
+            self._grow(queued + 1)
         by_device: dict[torch.device, list[int]] = {}
-        for row, value in enumerate(self._values):
-            if isinstance(value, np.ndarray):  # gathered by the kernel
-                flat_values[starts[row] : starts[row + 1]] = value
-            else:
-                by_device.setdefault(value.device, []).append(row)
+        for row, values in self._on_device.items():
+            by_device.setdefault(values.device, []).append(row)
         for device_rows in by_device.values():
-            host = torch.cat([self._values[r] for r in device_rows]).cpu().numpy()
+            host = torch.cat([self._on_device[r] for r in device_rows]).cpu().numpy()
             offset = 0
             for r in device_rows:
-                n = self._positions[r].size
-                flat_values[starts[r] : starts[r] + n] = host[offset : offset + n]
-                offset += n
-        for i, row in enumerate(rows):
-            if row >= 0:
-                n = self._positions[row].size
-                values[i, :n] = flat_values[starts[row] : starts[row] + n]
-                positions[i, :n] = self._positions[row]
-                counts[i] = n
-        self._values, self._positions = [], []
+                self._host[r, : self._counts[r]] = host[offset : offset + self._counts[r]]
+                offset += self._counts[r]
+        take = np.where(rows >= 0, rows, queued)  # row `queued`: NaN, never written
+        values = self._host[take]
+        positions = np.stack([*self._positions, np.full(self.size, -1, dtype=np.int64)])[take]
+        counts = np.array([*self._counts, 0], dtype=np.int32)[take]
+        self._host[: queued + 1] = np.nan
+        self._on_device, self._positions, self._counts = {}, [], []
         return values, positions, counts
 
 
