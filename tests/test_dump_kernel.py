@@ -154,6 +154,8 @@ def test_queued_tensors_are_let_go_once_their_statistics_are_taken():
 def test_a_forked_child_queues_on_its_own_thread():
     """The parent's kernel thread does not exist in a forked child (a DataLoader worker, say)."""
     fused_stats(torch.ones(3), queued=True)  # the parent's thread is running
+    pending = np.zeros(7)
+    KERNEL.stats(torch.ones(10), pending.ctypes.data, pending[4:].ctypes.data, queued=True)  # not waited for
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -164,3 +166,5 @@ def test_a_forked_child_queues_on_its_own_thread():
     os.close(write)
     os.waitpid(pid, 0)
     assert os.read(read, 2) == b"ok"
+    KERNEL.wait()
+    assert pending[2] == 10

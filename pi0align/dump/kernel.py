@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
+import os
 
 import numpy as np
 import torch
@@ -328,15 +329,17 @@ class Kernel:
     def __init__(self) -> None:
         self._library = Library("stats", _SOURCE, _FUNCTIONS, [*FLAGS, "-pthread"])
         self.status = ""  # "" until loaded, then "fused" or "torch ops: <why>"
+        self._c: dict[str, ctypes._CFuncPtr] | None = None  # the entry points, once loaded
         self._queued: collections.deque[torch.Tensor] = collections.deque()  # in queue order
         self._released = 0  # queued calls whose tensor was let go
         self._finished = ctypes.c_int64()
+        os.register_at_fork(after_in_child=self._forget_queue)
 
     def load(self) -> str:
         """Build or find the kernel once per process; returns `status`."""
         loaded = self._library.load()
         self.status = "fused" if loaded else f"torch ops: {self._library.error}"
-        if loaded:
+        if loaded and self._c is None:
             self._c = self._library.functions
             atexit.register(self.wait)  # no queued job may outlive the tensors it reads
         return self.status
@@ -376,6 +379,10 @@ class Kernel:
             self._c["pi0align_wait"]()
             self._released += len(self._queued)
             self._queued.clear()
+
+    def _forget_queue(self) -> None:
+        """In a forked child: the parent's queue and thread are not here; the child counts its own."""
+        self._queued, self._released = collections.deque(), 0
 
     def _keep(self, tensor: torch.Tensor) -> None:
         """Hold a queued tensor until its call has run; let go of those that have (a step's
