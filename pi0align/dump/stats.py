@@ -191,7 +191,8 @@ class StatsBatch:
         if KERNEL.supports(tensor):
             if slot >= len(self._floats):
                 self._grow(slot + 1)
-            KERNEL.stats(tensor, self._floats_at + 32 * slot, self._ints_at + 24 * slot, self._queued)
+            KERNEL.stats(tensor, self._floats_at + self._floats.strides[0] * slot,
+                         self._ints_at + self._ints.strides[0] * slot, self._queued)
         elif self._worker is not None and tensor.device.type == "cpu":
             self._worker.submit(self._results, slot, tensor)
         else:
