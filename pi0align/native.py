@@ -1,4 +1,5 @@
-"""Small C++ kernels, compiled with the system compiler on first use and loaded with ctypes.
+"""Small C++ kernels, compiled with the system compiler on first use: C entry points loaded with
+ctypes (`Library`), or a Python extension module (`Extension`).
 
 Each library is cached under the pi0align cache, keyed by its source, the flags, the compiler and
 this CPU (`-march=native`: a library built here must not run on another CPU). It is written under
@@ -11,12 +12,14 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
 import threading
+from pathlib import Path
 
 from pi0align.pi0.cache import cache_root
 
@@ -40,9 +43,9 @@ class Library:
             if not self._loaded:
                 self._loaded = True
                 try:
-                    library = _compiled(self._name, self._source, self._flags)
+                    library = ctypes.CDLL(str(_compiled(self._name, self._source, self._flags)))
                 except (OSError, subprocess.SubprocessError) as error:
-                    self.error = str(error).splitlines()[0] if str(error) else type(error).__name__
+                    self.error = _one_line(error)
                 else:
                     for name, argtypes in self._signatures.items():
                         function = self.functions[name] = getattr(library, name)
@@ -50,8 +53,38 @@ class Library:
         return not self.error
 
 
-def _compiled(name: str, source: str, flags: list[str]) -> ctypes.CDLL:
-    """The compiled `source` (C++ with C entry points); OSError or SubprocessError when it cannot be built."""
+class Extension:
+    """A Python extension module (`PyInit_<name>` in `source`), built or found by the first
+    `load()` of the process; `module` is None, and `error` says why, when it cannot be."""
+
+    def __init__(self, name: str, source: str, flags: list[str]) -> None:
+        self._name, self._source, self._flags = name, source, flags
+        self._lock = threading.Lock()
+        self._loaded = False
+        self.module = None
+        self.error = ""
+
+    def load(self):
+        """The module, or None."""
+        with self._lock:
+            if not self._loaded:
+                self._loaded = True
+                try:
+                    path = _compiled(self._name, self._source, self._flags)
+                    spec = importlib.util.spec_from_file_location(self._name, path)
+                    self.module = importlib.util.module_from_spec(spec)
+                    spec.loader.exec_module(self.module)
+                except (OSError, ImportError, subprocess.SubprocessError) as error:
+                    self.module, self.error = None, _one_line(error)
+        return self.module
+
+
+def _one_line(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _compiled(name: str, source: str, flags: list[str]) -> Path:
+    """The shared library compiled from `source`; OSError or SubprocessError when it cannot be built."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise OSError("no C++ compiler (g++ or $CXX) found")
@@ -65,12 +98,14 @@ def _compiled(name: str, source: str, flags: list[str]) -> ctypes.CDLL:
             with open(path, "w") as f:
                 f.write(source)
             built = os.path.join(staging, f"{name}.so")
-            result = subprocess.run([compiler, *flags, path, "-o", built], capture_output=True, text=True,
+            result = subprocess.run([compiler, path, *flags, "-o", built], capture_output=True, text=True,
                                     timeout=300, check=False)
             if result.returncode != 0:
-                raise OSError(f"compiling the {name} kernel failed: {(result.stderr.strip() or '?').splitlines()[0]}")
+                lines = result.stderr.strip().splitlines() or ["?"]
+                first = next((line for line in lines if "error" in line), lines[0])
+                raise OSError(f"compiling the {name} kernel failed: {first}")
             os.replace(built, library)
-    return ctypes.CDLL(str(library))
+    return library
 
 
 def _cpu_flags() -> str:

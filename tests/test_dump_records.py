@@ -12,6 +12,7 @@ import torch
 
 from dump_helpers import Net, find, manifest, read_step, record_rows, reference_checksum, train_steps
 from pi0align import Dumper
+from pi0align.dump.kernel import KERNEL
 
 torch.set_num_threads(1)
 
@@ -177,6 +178,7 @@ def test_arguments_stacks_metrics_and_root_attributes(dumped):
     with h5py.File(path, "r") as f:
         assert f.attrs["format"] == "pi0align-dump" and f.attrs["version"] == 1
         assert (f.attrs["mode"], f.attrs["level"], f.attrs["rank"], f.attrs["world_size"]) == ("stats", "api", 0, 1)
+        assert f.attrs["observer"] == KERNEL.observer_status
         assert list(f["steps"]) == ["000001"]
         stacks = dict(zip(f["stacks/stack_id"][()], (json.loads(s) for s in f["stacks/frames"][()])))
         assert list(f["metrics/step"][()]) == [0, 1]

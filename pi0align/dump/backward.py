@@ -4,6 +4,9 @@
 accumulation and changes gradients at rounding level. Here nothing is added to the graph: hooks
 go on the autograd nodes a call created, and report the gradients those nodes receive (flowing
 into the call's outputs) and produce (flowing out of the call to its inputs).
+
+`observer.py` holds the same `input_edges` and `watch` in C++ (the dumper's usual path); these
+are the fallback where it cannot be built.
 """
 
 from __future__ import annotations
@@ -19,14 +22,16 @@ _MAX_NODES = 16
 Sink = Callable[[str, int, torch.Tensor], None]  # (role, arg_index, gradient)
 
 
-def input_edges(inputs: list[torch.Tensor]) -> list[tuple[int, object]]:
-    """(arg_index, gradient edge) of the inputs that require grad; take them before an in-place call."""
-    return [(i, get_gradient_edge(x)) for i, x in enumerate(inputs) if x.requires_grad]
+def input_edges(inputs: list[torch.Tensor]) -> list[tuple[int, object]] | None:
+    """(arg_index, gradient edge) of the inputs that require grad (None: none does); take them
+    before an in-place call."""
+    return [(i, get_gradient_edge(x)) for i, x in enumerate(inputs) if x.requires_grad] or None
 
 
-def watch(outputs: list[torch.Tensor], edges: list[tuple[int, object]], sink: Sink) -> None:
+def watch(outputs: list[torch.Tensor], edges: list[tuple[int, object]] | None, sink: Sink) -> None:
     """Report each output's incoming gradient and, where the call's nodes lead straight to its
-    inputs, each input's outgoing gradient, to `sink` during backward."""
+    inputs (`edges`, from `input_edges`), each input's outgoing gradient, to `sink` during backward."""
+    edges = edges or []
     targets: dict[tuple, list[int]] = {}  # an input passed twice (x * x) has one edge, two args
     for i, edge in edges:
         targets.setdefault((id(edge.node), edge.output_nr), []).append(i)

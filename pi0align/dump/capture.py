@@ -12,6 +12,7 @@ from torch.overrides import TorchFunctionMode
 from pi0align.dump import backward
 from pi0align.dump.arguments import describe_arguments, flatten_tensors
 from pi0align.dump.naming import ApiNames, Namer, is_inplace
+from pi0align.dump.kernel import KERNEL
 from pi0align.dump.stacks import Stacks
 from pi0align.dump.steplog import Filter, StepLog
 
@@ -43,6 +44,10 @@ class Capture:
         self._parameters: list[tuple[str, str, torch.nn.Parameter]] = []  # (name, module, param)
         self._param_rows: dict[int, list] | None = None  # id(param) -> its value record, once read
         self._grad_rows: dict[int, list] = {}  # id(param) -> its latest gradient record
+        KERNEL.load()
+        compiled = KERNEL.observer  # observer.py: backward.py's functions in C++
+        self._input_edges = backward.input_edges if compiled is None else compiled.input_edges
+        self._watch = backward.watch if compiled is None else compiled.watch
 
     @property
     def installed(self) -> bool:
@@ -178,7 +183,7 @@ class Capture:
             if opened is None:
                 return self._run(func, args, kwargs)
             self.log.add_tensors(opened[0], opened[1], "input", inputs)
-            edges = backward.input_edges(inputs) if torch.is_grad_enabled() else []
+            edges = self._input_edges(inputs) if torch.is_grad_enabled() else None
             self.log.stats.drain()  # statistics still queued may be of the tensor about to change
             result = self._run(func, args, kwargs)
             outputs = flatten_tensors(result, []) or inputs[:1]
@@ -191,11 +196,11 @@ class Capture:
             if opened is None:
                 return result
             self.log.add_tensors(opened[0], opened[1], "input", inputs)
-            edges = backward.input_edges(inputs) if torch.is_grad_enabled() else []
+            edges = self._input_edges(inputs) if torch.is_grad_enabled() else None
         call_id, name = opened
         self.log.add_tensors(call_id, name, "output", outputs)
         if edges or any(o.requires_grad for o in outputs):
-            backward.watch(outputs, edges, self._grad_sink(call_id))
+            self._watch(outputs, edges, self._grad_sink(call_id))
         return result
 
     def _run(self, func, args: tuple, kwargs: dict):
@@ -230,7 +235,7 @@ class Capture:
             with _quiet():
                 outputs = flatten_tensors(output, [])
                 self.log.add_tensors(call_id, name, "output", outputs)
-                backward.watch(outputs, [], sink)
+                self._watch(outputs, None, sink)
 
     # ---- backward ------------------------------------------------------------------------------
 

@@ -168,7 +168,7 @@ class Dumper:
         attrs = {
             "rank": self._rank, "world_size": self._world_size, "mode": self.mode, "level": self.level,
             "sample_size": self.sample_size if self.mode == "sample" else 0,
-            "cpu_stats": KERNEL.status,
+            "cpu_stats": KERNEL.status, "observer": KERNEL.observer_status,
         }
         manifest = build_manifest(self._model, self._rank, self._world_size, self._manifest)
         try:

@@ -3,8 +3,9 @@
 The torch-op path reads a tensor about six times (min, max, sum, sum of squares, the checksum's
 row and column sums) and allocates for the conversions; this kernel reads it once, accumulating
 in float64, and counts NaN and Inf in a second pass only when the sums say there are any. It is
-plain C++ behind C entry points, built with the system compiler on first use (native.py) and
-called through ctypes. Calls run at once, or queued for the kernel's own C++ thread, which works
+plain C++ behind C entry points, built with the system compiler on first use (native.py) into
+one torch extension with `observer.py`, whose entry points take the tensors themselves; where
+that extension cannot be built, the kernel alone is called through ctypes. Calls run at once, or queued for the kernel's own C++ thread, which works
 beside training without the GIL; one tensor, one core. Without a compiler the dumper keeps the
 torch-op path; `KERNEL.status` says which path runs. It also gathers sample mode's elements, for
 the same reasons.
@@ -20,7 +21,8 @@ import os
 import numpy as np
 import torch
 
-from pi0align.native import FLAGS, Library
+from pi0align.dump import observer
+from pi0align.native import FLAGS, Extension, Library
 
 _SOURCE = r"""
 #include <atomic>
@@ -327,20 +329,36 @@ class Kernel:
     """
 
     def __init__(self) -> None:
+        self._extension = Extension("pi0align_observer", _SOURCE + observer.SOURCE, [*FLAGS, "-pthread", *observer.flags()])
         self._library = Library("stats", _SOURCE, _FUNCTIONS, [*FLAGS, "-pthread"])
         self.status = ""  # "" until loaded, then "fused" or "torch ops: <why>"
-        self._c: dict[str, ctypes._CFuncPtr] | None = None  # the entry points, once loaded
+        self.observer = None  # the extension (observer.py), once loaded: the kernel taking tensors
+        self.observer_status = ""  # "compiled", or "python: <why>" when the extension cannot be built
+        self._c: dict[str, ctypes._CFuncPtr] | None = None  # the ctypes entry points, without the extension
         self._queued: collections.deque[torch.Tensor] = collections.deque()  # in queue order
         self._released = 0  # queued calls whose tensor was let go
         self._finished = ctypes.c_int64()
         os.register_at_fork(after_in_child=self._forget_queue)
 
     def load(self) -> str:
-        """Build or find the kernel once per process; returns `status`."""
-        loaded = self._library.load()
-        self.status = "fused" if loaded else f"torch ops: {self._library.error}"
-        if loaded and self._c is None:
-            self._c = self._library.functions
+        """Build or find the kernel once per process (the extension, else the ctypes library);
+        returns `status`."""
+        if self.status:
+            return self.status
+        module = self._extension.load()
+        if module is not None:
+            for dtype, kind in _KINDS.items():
+                module.set_kind(torch.empty(0, dtype=dtype), kind)
+            self.observer, self.observer_status, self.status = module, "compiled", "fused"
+        else:
+            self.observer_status = f"python: {self._extension.error}"
+            loaded = self._library.load()
+            self.status = "fused" if loaded else f"torch ops: {self._library.error}"
+            self._c = self._library.functions if loaded else None
+            if loaded:  # the library (and its queue) may be shared with an earlier Kernel of this process
+                self._c["pi0align_finished"](self._finished)
+                self._released = self._finished.value
+        if self.status == "fused":
             atexit.register(self.wait)  # no queued job may outlive the tensors it reads
         return self.status
 
@@ -351,6 +369,9 @@ class Kernel:
     def stats(self, tensor: torch.Tensor, floats: int, ints: int, queued: bool = False) -> None:
         """Write min, max, sum and sum of squares of the finite elements to the 4 float64 at address
         `floats`, and the NaN count, Inf count and checksum to the 3 int64 at address `ints`."""
+        if self.observer is not None:
+            self.observer.stats(tensor, floats, ints, queued)
+            return
         if tensor.dim() > _MAX_DIMS:
             tensor = tensor.contiguous()
         if queued:
@@ -368,6 +389,9 @@ class Kernel:
         """Write the `count` elements at the memory offsets held by the int64 array at address
         `offsets` (from the first element; kept alive and unchanged until `wait()` when queued) to
         the float64 array at address `values`."""
+        if self.observer is not None:
+            self.observer.gather(tensor, offsets, count, values, queued)
+            return
         if queued:
             self._keep(tensor)
         function = self._c["pi0align_queue_gather" if queued else "pi0align_gather"]
@@ -375,14 +399,22 @@ class Kernel:
 
     def wait(self) -> None:
         """Return once every queued call has run."""
-        if self._queued:
+        if self.observer is not None:
+            self.observer.wait()
+        elif self._queued:
             self._c["pi0align_wait"]()
             self._released += len(self._queued)
             self._queued.clear()
 
+    def held(self) -> int:
+        """How many queued tensors are still kept alive."""
+        return self.observer.held() if self.observer is not None else len(self._queued)
+
     def _forget_queue(self) -> None:
         """In a forked child: the parent's queue and thread are not here; the child counts its own."""
         self._queued, self._released = collections.deque(), 0
+        if self.observer is not None:
+            self.observer.forget()
 
     def _keep(self, tensor: torch.Tensor) -> None:
         """Hold a queued tensor until its call has run; let go of those that have (a step's

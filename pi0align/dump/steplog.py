@@ -128,13 +128,13 @@ class StepLog:
 
     def finish(self) -> StepTables:
         """Read the statistics back (one copy per device) and build the tables."""
-        calls = dict(zip(CALL_COLUMNS, map(np.array, _columns(self.calls, len(CALL_COLUMNS)))))
+        calls = dict(zip(CALL_COLUMNS, map(_array, _columns(self.calls, len(CALL_COLUMNS)))))
         calls["call_id"] = np.arange(len(self.calls), dtype=np.int32)
         columns = _columns([row for row in self.records if row[0] >= 0], len(RECORD_COLUMNS) + 2)
         call_ids, roles, arg_indices = (np.array(c, dtype=np.int64) for c in
                                         (columns[0], [_ROLE_ORDER[r] for r in columns[1]], columns[2]))
         order = np.lexsort((arg_indices, roles, call_ids))
-        records = {c: np.array(columns[i])[order] for i, c in enumerate(RECORD_COLUMNS)}
+        records = {c: _array(columns[i])[order] for i, c in enumerate(RECORD_COLUMNS)}
         floats, ints = self.stats.collect()
         slots = np.array(columns[8], dtype=np.int64)[order]
         has = slots >= 0
@@ -148,6 +148,12 @@ class StepLog:
             values, positions, counts = self.sampler.collect(np.array(columns[9], dtype=np.int64)[order])
             samples, records["sample_count"] = (values, positions), counts
         return StepTables(self.step, calls, records, samples)
+
+
+def _array(column: tuple) -> np.ndarray:
+    """A column as an array: str columns as object arrays (what the writer stores; a numpy
+    unicode array would cost a conversion each way)."""
+    return np.array(column, dtype=object) if column and isinstance(column[0], str) else np.array(column)
 
 
 def _columns(rows: list, width: int) -> list[tuple]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+from h5py import h5d, h5s, h5t
 import torch
 
 from pi0align.dump import tensor_store
@@ -85,10 +86,16 @@ def _bytes_needed(tables: StepTables | None, stacks: list[tuple[int, str]], metr
     """A generous bound on what one `DumpFile.write` adds to the file (HDF5's own overhead included)."""
     raw = sum(len(frames) + 64 for _, frames in stacks) + 64 * len(metrics)
     if tables is not None:
-        # str columns are numpy unicode arrays: 4 bytes a character, more than their UTF-8
-        raw += sum(v.nbytes + 16 * len(v) for columns in (tables.calls, tables.records) for v in columns.values())
+        raw += sum(_column_bytes(v) for columns in (tables.calls, tables.records) for v in columns.values())
         raw += sum(a.nbytes for a in tables.samples or ())
     return 2 * raw + (1 << 20)
+
+
+def _column_bytes(values: np.ndarray) -> int:
+    """A bound on a column's bytes in the file: str columns (object arrays) by their UTF-8 length."""
+    if values.dtype == object:
+        return sum(4 * len(v) + 16 for v in values)
+    return values.nbytes + 16 * len(values)
 
 
 def _append(dataset: h5py.Dataset, values: list) -> None:
@@ -104,10 +111,9 @@ def _write_step(f: h5py.File, tables: StepTables, tensors_file: str | None) -> N
     group = f.create_group(name)
     group.attrs.update({"step": tables.step, "loss": np.nan, "grad_norm": np.nan, "lr": np.nan, "complete": False})
     for table, types, columns in (("calls", CALL_TYPES, tables.calls), ("records", RECORD_TYPES, tables.records)):
+        table_group = group.create_group(table)
         for column, dtype in types.items():
-            values = columns[column]
-            data = np.asarray(values, dtype=object) if dtype is _STR else np.asarray(values, dtype=dtype)
-            group.create_dataset(f"{table}/{column}", data=data, dtype=dtype)
+            _create_column(table_group, column, columns[column], dtype)
     if tables.samples is not None:
         values, positions = tables.samples
         group.create_dataset("samples/values", data=values)
@@ -115,6 +121,15 @@ def _write_step(f: h5py.File, tables: StepTables, tensors_file: str | None) -> N
     if tensors_file is not None:
         group["tensors"] = h5py.ExternalLink(tensors_file, "/")
     group.attrs["complete"] = True
+
+
+def _create_column(group: h5py.Group, name: str, values: np.ndarray, dtype) -> None:
+    """One column, through h5py's low-level API: the dataset `create_dataset` makes, in half the time
+    (two dozen columns a step)."""
+    data = np.asarray(values, dtype=object) if dtype is _STR else np.ascontiguousarray(values, dtype=dtype)
+    dataset = h5d.create(group.id, name.encode(), h5t.py_create(dtype, logical=True), h5s.create_simple((len(data),)))
+    if len(data):
+        dataset.write(h5s.ALL, h5s.ALL, data)  # str objects are converted to the file's UTF-8 strings
 
 
 WRITE_ERRORS = (OSError, RuntimeError)  # h5py reports some failed writes (a full disk) as RuntimeError

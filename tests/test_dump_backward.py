@@ -1,0 +1,77 @@
+"""The C++ backward watch (observer.py, the usual path) records exactly what the Python one
+(backward.py, the fallback) does, on the awkward cases: an input passed twice, one node with
+several outputs, views, an in-place call on a tensor that requires grad, a leaf input, a
+composite call of many autograd nodes, module inputs and outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from dump_helpers import read_step, train_steps
+
+from pi0align import Dumper
+from pi0align.dump import backward
+from pi0align.dump.kernel import KERNEL
+
+pytestmark = pytest.mark.skipif(KERNEL.load() != "fused" or KERNEL.observer is None,
+                                reason=f"the extension is not built here ({KERNEL.observer_status})")
+
+
+class Awkward(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 6)
+        self.attention = torch.nn.MultiheadAttention(6, 2)  # F.multi_head_attention_forward: a composite
+        self.scale = torch.nn.Parameter(torch.full((3,), 0.5))
+
+    def forward(self, x):
+        h = self.proj(x)
+        squared = h * h  # one gradient edge, two arguments
+        left, right = squared.chunk(2, dim=1)  # one node, two outputs
+        mixed = left.t() @ right  # views
+        mixed.add_(1.0)  # in place on a tensor that requires grad
+        scaled = mixed * self.scale  # a leaf input
+        attended, _ = self.attention(h[None], h[None], h[None])
+        return scaled.tanh().sum() + attended.square().mean()
+
+
+def dump_awkward(folder, level: str) -> dict:
+    torch.manual_seed(3)
+    net = Awkward()
+
+    class Wrapped(torch.nn.Module):  # train_steps takes the loss as the model output's square mean
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            return self.net(x)
+
+    inputs = [torch.randn(5, 4, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    train_steps(Wrapped(), inputs, Dumper(folder, steps=[1], level=level))
+    return read_step(folder / "dump.h5", 1)
+
+
+@pytest.mark.parametrize("level", ["api", "mix"])
+def test_compiled_and_python_backward_watches_record_the_same(tmp_path, monkeypatch, level):
+    compiled = dump_awkward(tmp_path / "compiled", level)
+    monkeypatch.setattr(KERNEL.observer, "input_edges", backward.input_edges)
+    monkeypatch.setattr(KERNEL.observer, "watch", backward.watch)
+    python = dump_awkward(tmp_path / "python", level)
+    for table in ("calls", "records"):
+        assert compiled[table].keys() == python[table].keys()
+        for column, values in compiled[table].items():
+            values, expected = np.asarray(values), np.asarray(python[table][column])
+            assert np.array_equal(values, expected, equal_nan=values.dtype.kind == "f"), column
+    records, calls = compiled["records"], compiled["calls"]
+    backward_calls = {i for i, d in enumerate(calls["direction"]) if d == "backward"}
+    roles = {(calls["name"][c], r, a) for c, r, a in zip(records["call_id"], records["role"], records["arg_index"])
+             if c in backward_calls}
+    # x * x: the gradient reaches both arguments; chunk: both outputs' gradients arrive; a leaf's
+    assert {("net/Tensor.mul#0", "grad_input", 0), ("net/Tensor.mul#0", "grad_input", 1)} <= roles
+    assert {("net/Tensor.chunk#0", "grad_output", 0), ("net/Tensor.chunk#0", "grad_output", 1)} <= roles
+    assert {("net/Tensor.mul#1", "grad_input", 1), ("net/Tensor.add_#0", "grad_input", 0)} <= roles
+    # the composite reports its output gradients only
+    attention = {(r, a) for n, r, a in roles if n.endswith("Functional.multi_head_attention_forward#0")}
+    assert ("grad_output", 0) in attention and not any(r == "grad_input" for r, _ in attention)
