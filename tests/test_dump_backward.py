@@ -1,5 +1,5 @@
-"""The C++ backward watch (observer.py, the usual path) records exactly what the Python one
-(backward.py, the fallback) does, on the awkward cases: an input passed twice, one node with
+"""The C++ backward hooks (observer.py, the usual path) record exactly what the Python ones
+(backward.py, the fallback) do, on the awkward cases: an input passed twice, one node with
 several outputs, views, an in-place call on a tensor that requires grad, a leaf input, a
 composite call of many autograd nodes, module inputs and outputs."""
 
@@ -36,7 +36,7 @@ class Awkward(torch.nn.Module):
         return scaled.tanh().sum() + attended.square().mean()
 
 
-def dump_awkward(folder, level: str) -> dict:
+def dump_awkward(folder, level: str, mode: str = "stats") -> dict:
     torch.manual_seed(3)
     net = Awkward()
 
@@ -49,16 +49,20 @@ def dump_awkward(folder, level: str) -> dict:
             return self.net(x)
 
     inputs = [torch.randn(5, 4, generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    train_steps(Wrapped(), inputs, Dumper(folder, steps=[1], level=level))
+    with Dumper(folder, steps=[1], level=level, mode=mode) as dumper:
+        train_steps(Wrapped(), inputs, dumper)
     return read_step(folder / "dump.h5", 1)
 
 
-@pytest.mark.parametrize("level", ["api", "mix"])
-def test_compiled_and_python_backward_watches_record_the_same(tmp_path, monkeypatch, level):
-    compiled = dump_awkward(tmp_path / "compiled", level)
+@pytest.mark.parametrize(("level", "mode"), [("api", "stats"), ("mix", "stats"), ("mix", "sample"), ("mix", "tensor")])
+def test_compiled_and_python_backward_hooks_record_the_same(tmp_path, monkeypatch, level, mode):
+    compiled = dump_awkward(tmp_path / "compiled", level, mode)
+    if mode != "stats":  # the hooks' own tensor work (samples, stored copies) is not captured
+        assert compiled["calls"]["name"] == dump_awkward(tmp_path / "stats", level)["calls"]["name"]
     monkeypatch.setattr(KERNEL.observer, "input_edges", backward.input_edges)
     monkeypatch.setattr(KERNEL.observer, "watch", backward.watch)
-    python = dump_awkward(tmp_path / "python", level)
+    monkeypatch.setattr(KERNEL.observer, "watch_tensor_grads", backward.watch_tensor_grads)
+    python = dump_awkward(tmp_path / "python", level, mode)
     for table in ("calls", "records"):
         assert compiled[table].keys() == python[table].keys()
         for column, values in compiled[table].items():

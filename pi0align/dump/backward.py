@@ -19,7 +19,9 @@ from torch.autograd.graph import get_gradient_edge
 # A call made of more autograd nodes than this (a composite) keeps only its output gradients.
 _MAX_NODES = 16
 
-Sink = Callable[[str, int, torch.Tensor], None]  # (role, arg_index, gradient)
+# (role, arg_index, gradient), called with torch functions disabled: its own tensor work is not captured
+Sink = Callable[[str, int, torch.Tensor], None]
+_quiet = torch._C.DisableTorchFunction
 
 
 def input_edges(inputs: list[torch.Tensor]) -> list[tuple[int, object]] | None:
@@ -69,12 +71,13 @@ def watch(outputs: list[torch.Tensor], edges: list[tuple[int, object]] | None, s
 
 def _node_hook(outs: list, ins: list, sink: Sink):
     def hook(grad_inputs, grad_outputs):
-        for nr, arg in outs:
-            if grad_outputs[nr] is not None:
-                sink("grad_output", arg, grad_outputs[nr])
-        for j, arg in ins:
-            if grad_inputs[j] is not None:
-                sink("grad_input", arg, grad_inputs[j])
+        with _quiet():
+            for nr, arg in outs:
+                if grad_outputs[nr] is not None:
+                    sink("grad_output", arg, grad_outputs[nr])
+            for j, arg in ins:
+                if grad_inputs[j] is not None:
+                    sink("grad_input", arg, grad_inputs[j])
 
     return hook
 
@@ -88,6 +91,7 @@ def watch_tensor_grads(tensors: list[torch.Tensor], role: str, sink: Sink) -> No
 
 def _tensor_hook(role: str, arg: int, sink: Sink):
     def hook(grad):
-        sink(role, arg, grad)
+        with _quiet():
+            sink(role, arg, grad)
 
     return hook

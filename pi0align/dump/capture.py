@@ -42,12 +42,13 @@ class Capture:
         # captured again from the model's next forward (gradient accumulation) or the next step.
         self.after_backward = False
         self._parameters: list[tuple[str, str, torch.nn.Parameter]] = []  # (name, module, param)
-        self._param_rows: dict[int, list] | None = None  # id(param) -> its value record, once read
-        self._grad_rows: dict[int, list] = {}  # id(param) -> its latest gradient record
+        self._param_rows: dict[int, int] | None = None  # id(param) -> its value record's row, once read
+        self._grad_rows: dict[int, int] = {}  # id(param) -> its latest gradient record's row
         KERNEL.load()
         compiled = KERNEL.observer  # observer.py: backward.py's functions in C++
         self._input_edges = backward.input_edges if compiled is None else compiled.input_edges
         self._watch = backward.watch if compiled is None else compiled.watch
+        self._watch_tensor_grads = backward.watch_tensor_grads if compiled is None else compiled.watch_tensor_grads
 
     @property
     def installed(self) -> bool:
@@ -147,7 +148,7 @@ class Capture:
             call_id = log.open_call(f"{name}/Parameter#0", module, "Parameter", "parameter", -1, "{}")
             for row in (value, grad):
                 if row is not None:
-                    row[0] = call_id
+                    log.set_call(row, call_id)
         return log
 
     # ---- forward -------------------------------------------------------------------------------
@@ -222,7 +223,7 @@ class Capture:
                     inputs = flatten_tensors(kwargs, flatten_tensors(args, []))
                     self.log.add_tensors(call_id, name, "input", inputs)
                     opened = (call_id, name, self._grad_sink(call_id))
-                    backward.watch_tensor_grads(inputs, "grad_input", opened[2])
+                    self._watch_tensor_grads(inputs, "grad_input", opened[2])
         self._open_modules.append(opened)
 
     def _leave_module(self, path: str, output) -> None:
@@ -244,15 +245,14 @@ class Capture:
         log = self.log
         backward_id = None
 
-        def sink(role: str, arg_index: int, grad: torch.Tensor) -> None:
+        def sink(role: str, arg_index: int, grad: torch.Tensor) -> None:  # called quietly (backward.Sink)
             nonlocal backward_id
             if self.log is not log:
                 return  # a graph kept past its step (retain_graph) or past stop()
             _, name, module, api, _, stack_id, args = log.calls[forward_id]
-            with _quiet():
-                if backward_id is None:
-                    backward_id = log.open_call(name, module, api, "backward", stack_id, args)
-                log.add_tensor(backward_id, name, role, arg_index, grad)
+            if backward_id is None:
+                backward_id = log.open_call(name, module, api, "backward", stack_id, args)
+            log.add_tensor(backward_id, name, role, arg_index, grad)
 
         return sink
 

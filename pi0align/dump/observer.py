@@ -21,6 +21,7 @@ import torch
 
 SOURCE = r"""
 #include <Python.h>
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -28,9 +29,12 @@ SOURCE = r"""
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <cmath>
 #include <deque>
 #include <iterator>
 #include <memory>
+#include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -55,44 +59,84 @@ bool arity(Py_ssize_t nargs, Py_ssize_t expected, const char* signature) {
   return false;
 }  // a gradient's index at the node, the call's argument
 
+// A Python object held by a hook, which autograd may free on a thread without the GIL.
+struct PyRef {
+  PyObject* object;
+  explicit PyRef(PyObject* o) : object(Py_NewRef(o)) {}
+  PyRef(const PyRef&) = delete;
+  ~PyRef() {
+    if (Py_IsInitialized() && !_Py_IsFinalizing()) {
+      pybind11::gil_scoped_acquire gil;
+      Py_DECREF(object);
+    }
+  }
+};
+
+// Inside a hook, the dumper's own tensor work is never captured (capture.py's _quiet).
+struct Quiet {
+  at::impl::TorchFunctionDisabledState previous = at::impl::PythonTorchFunctionTLS::get_disabled_state();
+  Quiet() { at::impl::PythonTorchFunctionTLS::set_disabled_state(at::impl::TorchFunctionDisabledState::ALL_DISABLED); }
+  ~Quiet() { at::impl::PythonTorchFunctionTLS::set_disabled_state(previous); }
+};
+
+// sink(role, arg, grad), with the GIL held; a Python error is raised through autograd.
+void report(PyObject* sink, PyObject* role, long arg, const at::TensorBase& grad) {
+  PyObject* wrapped = THPVariable_Wrap(grad);
+  PyObject* index = PyLong_FromLong(arg);
+  PyObject* result = wrapped && index ? PyObject_CallFunctionObjArgs(sink, role, index, wrapped, nullptr) : nullptr;
+  Py_XDECREF(wrapped);
+  Py_XDECREF(index);
+  if (result == nullptr) throw python_error();
+  Py_DECREF(result);
+}
+
 // Reports, to the Python sink(role, arg, gradient), the gradients a node receives (the call's
 // output gradients) and those it produces towards the call's inputs. Changes nothing.
 class SinkHook final : public torch::autograd::FunctionPostHook {
  public:
   SinkHook(PyObject* sink, std::vector<Slot> outs, std::vector<Slot> ins)
-      : sink_(sink), outs_(std::move(outs)), ins_(std::move(ins)) { Py_INCREF(sink_); }
-
-  ~SinkHook() override {
-    if (Py_IsInitialized() && !_Py_IsFinalizing()) {
-      pybind11::gil_scoped_acquire gil;
-      Py_DECREF(sink_);
-    }
-  }
+      : sink_(std::make_shared<PyRef>(sink)), outs_(std::move(outs)), ins_(std::move(ins)) {}
 
   variable_list operator()(const variable_list& grad_inputs, const variable_list& grad_outputs) override {
     pybind11::gil_scoped_acquire gil;
-    report(role_grad_output, outs_, grad_outputs);
-    report(role_grad_input, ins_, grad_inputs);
+    Quiet quiet;
+    report_all(role_grad_output, outs_, grad_outputs);
+    report_all(role_grad_input, ins_, grad_inputs);
     return grad_inputs;
   }
 
  private:
-  void report(PyObject* role, const std::vector<Slot>& slots, const variable_list& grads) {
-    for (const Slot& slot : slots) {
-      if (slot.index >= grads.size() || !grads[slot.index].defined()) continue;
-      PyObject* grad = THPVariable_Wrap(grads[slot.index]);
-      PyObject* arg = PyLong_FromLong(slot.arg);
-      PyObject* result = grad && arg ? PyObject_CallFunctionObjArgs(sink_, role, arg, grad, nullptr) : nullptr;
-      Py_XDECREF(grad);
-      Py_XDECREF(arg);
-      if (result == nullptr) throw python_error();
-      Py_DECREF(result);
-    }
+  void report_all(PyObject* role, const std::vector<Slot>& slots, const variable_list& grads) {
+    for (const Slot& slot : slots)
+      if (slot.index < grads.size() && grads[slot.index].defined()) report(sink_->object, role, slot.arg, grads[slot.index]);
   }
 
-  PyObject* sink_;
+  std::shared_ptr<PyRef> sink_;
   std::vector<Slot> outs_, ins_;
 };
+
+// watch_tensor_grads(tensors, role, sink): sink(role, arg, gradient) with each tensor's full
+// gradient (backward.watch_tensor_grads: module inputs)
+PyObject* watch_tensor_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (!arity(nargs, 3, "watch_tensor_grads(tensors, role, sink)")) return nullptr;
+  PyObject* seq = PySequence_Fast(args[0], "watch_tensor_grads takes a list of tensors");
+  if (seq == nullptr) return nullptr;
+  auto role = std::make_shared<PyRef>(args[1]);
+  auto sink = std::make_shared<PyRef>(args[2]);
+  for (Py_ssize_t arg = 0; arg < PySequence_Fast_GET_SIZE(seq); ++arg) {
+    PyObject* item = PySequence_Fast_GET_ITEM(seq, arg);
+    if (!THPVariable_Check(item) || !THPVariable_Unpack(item).requires_grad()) continue;
+    THPVariable_Unpack(item).register_hook([role, sink, arg](const at::TensorBase& grad) {
+      pybind11::gil_scoped_acquire gil;
+      Quiet quiet;
+      report(sink->object, role->object, (long)arg, grad);
+    });
+  }
+  Py_DECREF(seq);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
 
 // The inputs that share one gradient edge (x * x passes x twice), in argument order.
 struct Target { Node* node; uint32_t nr; std::vector<long> args; };
@@ -118,6 +162,7 @@ void free_edges(PyObject* capsule) {
 
 // input_edges(tensors) -> opaque edges, or None when no tensor requires grad
 PyObject* input_edges(PyObject*, PyObject* tensors) {
+  HANDLE_TH_ERRORS
   PyObject* seq = PySequence_Fast(tensors, "input_edges takes a list of tensors");
   if (seq == nullptr) return nullptr;
   auto edges = std::make_unique<InputEdges>();
@@ -142,6 +187,7 @@ PyObject* input_edges(PyObject*, PyObject* tensors) {
   PyObject* capsule = PyCapsule_New(edges.get(), "pi0align.input_edges", free_edges);
   if (capsule != nullptr) edges.release();
   return capsule;
+  END_HANDLE_TH_ERRORS
 }
 
 struct Watched { NodeRef node; std::vector<Slot> outs, ins; };
@@ -154,6 +200,7 @@ Watched& watched_entry(std::vector<Watched>& watched, const NodeRef& node) {
 // watch(outputs, edges, sink): hooks the nodes that produced `outputs` and, walking back from
 // them, the nodes whose gradients flow to the inputs' edges, as backward.watch does.
 PyObject* watch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
   if (!arity(nargs, 3, "watch(outputs, edges, sink)")) return nullptr;
   InputEdges* edges = nullptr;
   if (args[1] != Py_None) {
@@ -206,6 +253,7 @@ PyObject* watch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!w.outs.empty() || !w.ins.empty()) w.node->add_post_hook(std::make_unique<SinkHook>(args[2], w.outs, w.ins));
   }
   Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
 }
 
 
@@ -229,44 +277,31 @@ void keep(const at::Tensor& tensor) {
   }
 }
 
-// The CPU tensor the kernel reads, or an undefined one when it takes no such tensor.
-at::Tensor readable(PyObject* object, int* kind) {
-  if (!THPVariable_Check(object)) return {};
-  const at::Tensor& tensor = THPVariable_Unpack(object);
+// The CPU tensor the kernel reads (a contiguous copy beyond its dims), or an undefined one when
+// it takes no such tensor.
+at::Tensor readable(const at::Tensor& tensor, int* kind) {
   if (!tensor.defined() || !tensor.device().is_cpu() || tensor.layout() != at::kStrided) return {};
   *kind = kind_of_type[(int)tensor.scalar_type()];
   if (*kind < 0) return {};
   return tensor.dim() > kMaxDims ? tensor.detach().contiguous() : tensor;
 }
 
-
-// set_kind(tensor, kind): the kernel's kind for the tensor's dtype (kernel.py's _KINDS, one source)
-PyObject* set_kind(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!arity(nargs, 2, "set_kind(tensor, kind)")) return nullptr;
-  if (!THPVariable_Check(args[0])) return PyErr_Format(PyExc_TypeError, "set_kind(tensor, kind): not a tensor");
-  long kind = PyLong_AsLong(args[1]);
-  if (kind == -1 && PyErr_Occurred()) return nullptr;
-  kind_of_type[(int)THPVariable_Unpack(args[0]).scalar_type()] = (int)kind;
-  Py_RETURN_NONE;
+at::Tensor readable(PyObject* object, int* kind) {
+  return THPVariable_Check(object) ? readable(THPVariable_Unpack(object), kind) : at::Tensor();
 }
 
-// stats(tensor, floats, ints, queued) -> whether the kernel took it. Views are read in place in
-// memory order (kernel.py's _layout: repeated dims outermost, then the largest strides, merged
-// where memory allows), with row-major steps for the checksum positions.
-PyObject* tensor_stats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!arity(nargs, 4, "stats(tensor, floats, ints, queued)")) return nullptr;
+// Statistics of a tensor by the kernel, now or queued; false when the kernel does not take it.
+// Views are read in place in memory order (kernel.py's _layout: repeated dims outermost, then the
+// largest strides, merged where memory allows), with row-major steps for the checksum positions.
+bool kernel_stats(const at::Tensor& given, double* floats, int64_t* ints, bool queued) {
   int kind = -1;
-  at::Tensor tensor = readable(args[0], &kind);
-  if (!tensor.defined()) Py_RETURN_FALSE;
-  auto* floats = static_cast<double*>(PyLong_AsVoidPtr(args[1]));
-  auto* ints = static_cast<int64_t*>(PyLong_AsVoidPtr(args[2]));
-  if (PyErr_Occurred()) return nullptr;
-  bool queued = PyObject_IsTrue(args[3]);
+  at::Tensor tensor = readable(given, &kind);
+  if (!tensor.defined()) return false;
   const void* data = tensor.data_ptr();
   if (queued) keep(tensor);
   if (tensor.is_contiguous()) {
     (queued ? pi0align_queue_dense_stats : pi0align_dense_stats)(data, kind, tensor.numel(), floats, ints);
-    Py_RETURN_TRUE;
+    return true;
   }
   const int64_t dims = tensor.dim();
   auto shape = tensor.sizes();
@@ -292,11 +327,34 @@ PyObject* tensor_stats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
   }
   (queued ? pi0align_queue_stats : pi0align_stats)(data, kind, m, size, stride, step, floats, ints);
-  Py_RETURN_TRUE;
+  return true;
+}
+
+// set_kind(tensor, kind): the kernel's kind for the tensor's dtype (kernel.py's _KINDS, one source)
+PyObject* set_kind(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 2, "set_kind(tensor, kind)")) return nullptr;
+  if (!THPVariable_Check(args[0])) return PyErr_Format(PyExc_TypeError, "set_kind(tensor, kind): not a tensor");
+  long kind = PyLong_AsLong(args[1]);
+  if (kind == -1 && PyErr_Occurred()) return nullptr;
+  kind_of_type[(int)THPVariable_Unpack(args[0]).scalar_type()] = (int)kind;
+  Py_RETURN_NONE;
+}
+
+// stats(tensor, floats, ints, queued) -> whether the kernel took it
+PyObject* tensor_stats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (!arity(nargs, 4, "stats(tensor, floats, ints, queued)")) return nullptr;
+  if (!THPVariable_Check(args[0])) Py_RETURN_FALSE;
+  auto* floats = static_cast<double*>(PyLong_AsVoidPtr(args[1]));
+  auto* ints = static_cast<int64_t*>(PyLong_AsVoidPtr(args[2]));
+  if (PyErr_Occurred()) return nullptr;
+  return PyBool_FromLong(kernel_stats(THPVariable_Unpack(args[0]), floats, ints, PyObject_IsTrue(args[3])));
+  END_HANDLE_TH_ERRORS
 }
 
 // gather(tensor, offsets, count, values, queued) -> whether the kernel took it
 PyObject* tensor_gather(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
   if (!arity(nargs, 5, "gather(tensor, offsets, count, values, queued)")) return nullptr;
   int kind = -1;
   at::Tensor tensor = readable(args[0], &kind);
@@ -310,6 +368,7 @@ PyObject* tensor_gather(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   (queued ? pi0align_queue_gather : pi0align_gather)(tensor.data_ptr(), kind, static_cast<const int64_t*>(offsets),
                                                      count, static_cast<double*>(values));
   Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
 }
 
 // wait(): once every queued call has run, their tensors are let go
@@ -332,13 +391,309 @@ PyObject* forget_queue(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
+// ---- a step's records (steplog.py's Python path, in C++) ---------------------------------------
+
+PyTypeObject* plain_types[2];  // torch.Tensor and torch.nn.Parameter; other types are subclasses
+PyObject* no_text;  // ""
+PyObject* dtype_namer;  // dtype_namer(tensor) -> its dtype's name, asked once per dtype
+PyObject* dtype_names[256];  // at::ScalarType -> that name
+
+constexpr int64_t kBlockRows = 4096;
+
+// Statistics rows in blocks that never move: queued kernel calls write into them.
+struct StatsBlock {
+  double floats[kBlockRows][4];
+  int64_t ints[kBlockRows][3];
+  StatsBlock() {
+    for (auto& row : floats) std::fill(std::begin(row), std::end(row), NAN);
+    for (auto& row : ints) std::fill(std::begin(row), std::end(row), 0);
+  }
+};
+
+// Equal keys, while the first tensor lives, mean the same elements in the same row-major order
+// (steplog.py's _elements_key): views of contiguous memory share one.
+struct ElementsKey {
+  const void* data;
+  int dtype;
+  int64_t numel, version;
+  std::vector<int64_t> layout;  // shape and strides, when not contiguous
+  bool operator==(const ElementsKey& other) const = default;
+};
+
+struct ElementsKeyHash {
+  size_t operator()(const ElementsKey& key) const {
+    size_t h = std::hash<const void*>()(key.data) ^ (size_t)key.numel * 0x9e3779b97f4a7c15ULL;
+    h ^= (size_t)key.version * 0xc2b2ae3d27d4eb4fULL + (size_t)key.dtype;
+    for (int64_t v : key.layout) h = h * 31 + (size_t)v;
+    return h;
+  }
+};
+
+struct Seen {
+  c10::weak_intrusive_ptr<c10::TensorImpl> tensor;  // while it lives, its memory holds no other data
+  int64_t slot;
+  std::vector<int64_t> shape;
+  PyObject* path;
+};
+
+struct Recorder {
+  bool queued = false;
+  PyObject* fallback = nullptr;  // fallback(tensor, slot): statistics the kernel does not compute
+  PyObject* sink = nullptr;  // sink(tensor) -> its stored path (tensor mode), or None
+  PyObject* sampler = nullptr;  // sampler(tensor, name, role, arg_index) -> its sample row, or None
+  std::vector<int64_t> call_id, numel, slot, sample_row, shape_end, dims;
+  std::vector<int32_t> arg_index;
+  std::vector<PyObject*> role, dtype, path, skipped;  // references held
+  std::vector<std::unique_ptr<StatsBlock>> blocks;
+  std::vector<int64_t> slot_numel;
+  std::unordered_map<ElementsKey, Seen, ElementsKeyHash> seen;
+
+  ~Recorder() {
+    if (queued) pi0align_wait();  // no queued call may write into freed blocks
+    for (auto* column : {&role, &dtype, &path, &skipped})
+      for (PyObject* text : *column) Py_DECREF(text);
+    for (auto& entry : seen) Py_DECREF(entry.second.path);
+    Py_XDECREF(fallback);
+    Py_XDECREF(sink);
+    Py_XDECREF(sampler);
+  }
+
+  int64_t new_slot(int64_t elements) {
+    int64_t at = (int64_t)slot_numel.size();
+    if (at / kBlockRows >= (int64_t)blocks.size()) blocks.push_back(std::make_unique<StatsBlock>());
+    slot_numel.push_back(elements);
+    return at;
+  }
+  double* floats_of(int64_t at) { return blocks[at / kBlockRows]->floats[at % kBlockRows]; }
+  int64_t* ints_of(int64_t at) { return blocks[at / kBlockRows]->ints[at % kBlockRows]; }
+};
+
+void free_recorder(PyObject* capsule) {
+  delete static_cast<Recorder*>(PyCapsule_GetPointer(capsule, "pi0align.recorder"));
+}
+
+Recorder* recorder_of(PyObject* capsule) {
+  return static_cast<Recorder*>(PyCapsule_GetPointer(capsule, "pi0align.recorder"));
+}
+
+// Why a tensor gets no statistics (stats.py's skip_reason), a new reference; "" when it gets them.
+PyObject* skip_reason(PyObject* object, const at::Tensor& tensor) {
+  PyTypeObject* type = Py_TYPE(object);
+  if (type != plain_types[0] && type != plain_types[1]) {
+    PyObject* name = PyType_GetName(type);
+    PyObject* reason = name ? PyUnicode_FromFormat("subclass:%U", name) : nullptr;
+    Py_XDECREF(name);
+    return reason;
+  }
+  const char* reason = nullptr;
+  if (tensor.layout() != at::kStrided) reason = "sparse";
+  else if (tensor.is_meta()) reason = "meta";
+  else if (tensor.is_complex()) reason = "complex";
+  else if (tensor.is_quantized()) reason = "subclass:quantized";
+  else if (tensor.numel() == 0) reason = "empty";
+  if (reason == nullptr) return Py_NewRef(no_text);
+  return PyUnicode_FromString(reason);
+}
+
+PyObject* dtype_name(PyObject* object, const at::Tensor& tensor) {
+  PyObject*& name = dtype_names[(int)tensor.scalar_type()];
+  if (name == nullptr) name = PyObject_CallOneArg(dtype_namer, object);
+  return name == nullptr ? nullptr : Py_NewRef(name);
+}
+
+ElementsKey elements_key(const at::Tensor& tensor) {
+  ElementsKey key{tensor.data_ptr(), (int)tensor.scalar_type(), tensor.numel(), (int64_t)tensor._version(), {}};
+  if (!tensor.is_contiguous()) {
+    key.layout.assign(tensor.sizes().begin(), tensor.sizes().end());
+    key.layout.insert(key.layout.end(), tensor.strides().begin(), tensor.strides().end());
+  }
+  return key;
+}
+
+// One record: its statistics (reused when the same elements were recorded this step), stored copy
+// and sample; false with a Python error set when a Python part failed.
+bool record(Recorder& r, int64_t call_id, PyObject* name, PyObject* role, int32_t arg_index, PyObject* object) {
+  const at::Tensor& tensor = THPVariable_Unpack(object);
+  PyObject* skipped = skip_reason(object, tensor);
+  PyObject* dtype = skipped ? dtype_name(object, tensor) : nullptr;
+  if (dtype == nullptr) {
+    Py_XDECREF(skipped);
+    return false;
+  }
+  std::vector<int64_t> shape(tensor.sizes().begin(), tensor.sizes().end());
+  int64_t slot = -1, sample_row = -1;
+  PyObject* path = Py_NewRef(no_text);
+  bool ok = true;
+  if (skipped == no_text) {
+    ElementsKey key = elements_key(tensor);
+    auto known = r.seen.find(key);
+    if (known != r.seen.end() && !known->second.tensor.expired()) {
+      slot = known->second.slot;
+      if (known->second.shape == shape || r.sink == Py_None) Py_SETREF(path, Py_NewRef(known->second.path));
+      else Py_SETREF(path, PyObject_CallOneArg(r.sink, object));
+    } else {
+      slot = r.new_slot(tensor.numel());
+      if (!kernel_stats(tensor, r.floats_of(slot), r.ints_of(slot), r.queued)) {
+        PyObject* at = PyLong_FromLongLong(slot);
+        PyObject* done = at ? PyObject_CallFunctionObjArgs(r.fallback, object, at, nullptr) : nullptr;
+        Py_XDECREF(at);
+        ok = done != nullptr;
+        Py_XDECREF(done);
+      }
+      if (ok && r.sink != Py_None) Py_SETREF(path, PyObject_CallOneArg(r.sink, object));
+      if (ok && path != nullptr) {
+        if (known != r.seen.end()) {
+          Py_DECREF(known->second.path);
+          r.seen.erase(known);
+        }
+        r.seen.emplace(std::move(key), Seen{c10::weak_intrusive_ptr<c10::TensorImpl>(tensor.getIntrusivePtr()), slot,
+                                            shape, Py_NewRef(path)});
+      }
+    }
+    ok = ok && path != nullptr;
+    if (ok && r.sampler != Py_None) {
+      PyObject* index = PyLong_FromLong(arg_index);
+      PyObject* row = index ? PyObject_CallFunctionObjArgs(r.sampler, object, name, role, index, nullptr) : nullptr;
+      Py_XDECREF(index);
+      ok = row != nullptr && (sample_row = PyLong_AsLongLong(row), !PyErr_Occurred());
+      Py_XDECREF(row);
+    }
+  }
+  if (!ok) {
+    Py_DECREF(skipped);
+    Py_DECREF(dtype);
+    Py_XDECREF(path);
+    return false;
+  }
+  r.call_id.push_back(call_id);
+  r.arg_index.push_back(arg_index);
+  r.numel.push_back(tensor.numel());
+  r.slot.push_back(slot);
+  r.sample_row.push_back(sample_row);
+  r.dims.insert(r.dims.end(), shape.begin(), shape.end());
+  r.shape_end.push_back((int64_t)r.dims.size());
+  r.role.push_back(Py_NewRef(role));
+  r.dtype.push_back(dtype);
+  r.path.push_back(path);
+  r.skipped.push_back(skipped);
+  return true;
+}
+
+// recorder(queued, fallback, sink, sampler) -> a step's records
+PyObject* new_recorder(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 4, "recorder(queued, fallback, sink, sampler)")) return nullptr;
+  auto recorder = std::make_unique<Recorder>();
+  recorder->queued = PyObject_IsTrue(args[0]);
+  recorder->fallback = Py_NewRef(args[1]);
+  recorder->sink = Py_NewRef(args[2]);
+  recorder->sampler = Py_NewRef(args[3]);
+  PyObject* capsule = PyCapsule_New(recorder.get(), "pi0align.recorder", free_recorder);
+  if (capsule != nullptr) recorder.release();
+  return capsule;
+}
+
+// record(recorder, call_id, name, role, arg_index, tensors): one record per tensor of the list, the
+// first at arg_index; returns the row of the last
+PyObject* record_tensors(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (!arity(nargs, 6, "record(recorder, call_id, name, role, arg_index, tensors)")) return nullptr;
+  Recorder* r = recorder_of(args[0]);
+  int64_t call_id = PyLong_AsLongLong(args[1]);
+  long first = PyLong_AsLong(args[4]);
+  if (r == nullptr || PyErr_Occurred()) return nullptr;
+  PyObject* seq = PySequence_Fast(args[5], "record takes a list of tensors");
+  if (seq == nullptr) return nullptr;
+  bool ok = true;
+  for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
+    ok = THPVariable_Check(item) && record(*r, call_id, args[2], args[3], (int32_t)(first + i), item);
+    if (!ok && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "record takes a list of tensors");
+  }
+  Py_DECREF(seq);
+  return ok ? PyLong_FromSsize_t((Py_ssize_t)r->call_id.size() - 1) : nullptr;
+  END_HANDLE_TH_ERRORS
+}
+
+// set_call(recorder, row, call_id): a record's call, given later (-1: dropped)
+PyObject* set_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 3, "set_call(recorder, row, call_id)")) return nullptr;
+  Recorder* r = recorder_of(args[0]);
+  Py_ssize_t row = PyLong_AsSsize_t(args[1]);
+  int64_t call_id = PyLong_AsLongLong(args[2]);
+  if (r == nullptr || PyErr_Occurred()) return nullptr;
+  if (row < 0 || row >= (Py_ssize_t)r->call_id.size()) return PyErr_Format(PyExc_IndexError, "no record row %zd", row);
+  r->call_id[row] = call_id;
+  Py_RETURN_NONE;
+}
+
+template <class T>
+PyObject* as_bytes(const std::vector<T>& values) {
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));
+}
+
+PyObject* as_list(const std::vector<PyObject*>& texts) {
+  PyObject* list = PyList_New((Py_ssize_t)texts.size());
+  for (size_t i = 0; list != nullptr && i < texts.size(); ++i) PyList_SET_ITEM(list, i, Py_NewRef(texts[i]));
+  return list;
+}
+
+// columns(recorder) -> (call_id, arg_index, numel, slot, sample_row as int64/int32/... bytes;
+// role, dtype, shape, tensor, skipped as lists of str)
+PyObject* columns(PyObject*, PyObject* capsule) {
+  Recorder* r = recorder_of(capsule);
+  if (r == nullptr) return nullptr;
+  PyObject* shapes = PyList_New((Py_ssize_t)r->shape_end.size());
+  std::string text;
+  for (size_t i = 0, start = 0; shapes != nullptr && i < r->shape_end.size(); start = r->shape_end[i++]) {
+    text = "[";
+    for (size_t d = start; d < (size_t)r->shape_end[i]; ++d) text += (d > start ? ", " : "") + std::to_string(r->dims[d]);
+    text += "]";
+    PyList_SET_ITEM(shapes, i, PyUnicode_FromStringAndSize(text.data(), (Py_ssize_t)text.size()));
+  }
+  if (shapes == nullptr) return nullptr;
+  return Py_BuildValue("(NNNNNNNNNN)", as_bytes(r->call_id), as_bytes(r->arg_index), as_bytes(r->numel),
+                       as_bytes(r->slot), as_bytes(r->sample_row), as_list(r->role), as_list(r->dtype), shapes,
+                       as_list(r->path), as_list(r->skipped));
+}
+
+// statistics(recorder) -> (float64 [slots, 4], int64 [slots, 3], int64 numel [slots]) as bytes,
+// once every queued kernel call has run (kernel wait())
+PyObject* statistics(PyObject*, PyObject* capsule) {
+  Recorder* r = recorder_of(capsule);
+  if (r == nullptr) return nullptr;
+  int64_t slots = (int64_t)r->slot_numel.size();
+  std::vector<double> floats(slots * 4);
+  std::vector<int64_t> ints(slots * 3);
+  for (int64_t at = 0; at < slots; ++at) {
+    std::copy_n(r->floats_of(at), 4, floats.begin() + at * 4);
+    std::copy_n(r->ints_of(at), 3, ints.begin() + at * 3);
+  }
+  return Py_BuildValue("(NNN)", as_bytes(floats), as_bytes(ints), as_bytes(r->slot_numel));
+}
+
+// describe_records(tensor_type, parameter_type, dtype_namer): what record() needs from Python
+PyObject* describe_records(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 3, "describe_records(tensor_type, parameter_type, dtype_namer)")) return nullptr;
+  if (!PyType_Check(args[0]) || !PyType_Check(args[1])) return PyErr_Format(PyExc_TypeError, "not types");
+  for (int i = 0; i < 2; ++i) plain_types[i] = (PyTypeObject*)Py_NewRef(args[i]);
+  dtype_namer = Py_NewRef(args[2]);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
+    {"describe_records", (PyCFunction)(void (*)(void))describe_records, METH_FASTCALL, "types and dtype names"},
+    {"recorder", (PyCFunction)(void (*)(void))new_recorder, METH_FASTCALL, "a step's records"},
+    {"record", (PyCFunction)(void (*)(void))record_tensors, METH_FASTCALL, "records of tensors"},
+    {"set_call", (PyCFunction)(void (*)(void))set_call, METH_FASTCALL, "a record's call, given later"},
+    {"columns", columns, METH_O, "the records' columns"},
+    {"statistics", statistics, METH_O, "the records' statistics"},
     {"set_kind", (PyCFunction)(void (*)(void))set_kind, METH_FASTCALL, "the kernel's kind of a dtype"},
     {"stats", (PyCFunction)(void (*)(void))tensor_stats, METH_FASTCALL, "statistics of a CPU tensor"},
     {"gather", (PyCFunction)(void (*)(void))tensor_gather, METH_FASTCALL, "sampled elements of a CPU tensor"},
     {"wait", wait_queue, METH_NOARGS, "until every queued call has run"},
     {"held", held, METH_NOARGS, "how many queued tensors are kept alive"},
     {"forget", forget_queue, METH_NOARGS, "after fork, in the child"},
+    {"watch_tensor_grads", (PyCFunction)(void (*)(void))watch_tensor_grads, METH_FASTCALL, "hook tensors' gradients"},
     {"input_edges", input_edges, METH_O, "the gradient edges of the tensors that require grad"},
     {"watch", (PyCFunction)(void (*)(void))watch, METH_FASTCALL, "hook the nodes of a call's outputs"},
     {nullptr, nullptr, 0, nullptr},
@@ -350,6 +705,7 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "pi0align_observer", nullptr, -1, m
 
 PyMODINIT_FUNC PyInit_pi0align_observer() {
   std::fill(std::begin(kind_of_type), std::end(kind_of_type), -1);
+  no_text = PyUnicode_InternFromString("");
   role_grad_output = PyUnicode_InternFromString("grad_output");
   role_grad_input = PyUnicode_InternFromString("grad_input");
   return PyModule_Create(&module);

@@ -124,7 +124,7 @@ class StatsWorker:
         self._error: BaseException | None = None
         threading.Thread(target=self._run, name="pi0align-dump-stats", daemon=True).start()
 
-    def submit(self, results: list, slot: int, tensor: torch.Tensor) -> None:
+    def submit(self, results: dict, slot: int, tensor: torch.Tensor) -> None:
         with self._done:
             self._pending += 1
         self._queue.put((results, slot, tensor))
@@ -170,34 +170,37 @@ class StatsWorker:
 class StatsBatch:
     """Statistics of every tensor captured in one step, gathered on the device until `collect`.
     CPU tensors the fused kernel takes are written to host arrays, by the kernel's own thread when
-    `queued`; other CPU tensors go to `worker` when one is given; the rest to torch ops."""
+    `queued`; other CPU tensors go to `worker` when one is given; the rest to torch ops. With the
+    extension's recorder (steplog.py), the recorder numbers the slots and holds the kernel's
+    arrays, and hands the tensors the kernel does not take to `compute`."""
 
     def __init__(self, weights: ChecksumWeights, worker: StatsWorker | None = None, queued: bool = False) -> None:
         self._weights = weights
         self._worker = worker
         self._queued = queued
-        self._results: list[tuple | None] = []  # per slot: torch_stats' tensors, or None
+        self._results: dict[int, tuple] = {}  # slot -> torch_stats' tensors
         self._numel: list[int] = []
         self._floats, self._ints = np.full((0, 4), np.nan), np.zeros((0, 3), dtype=np.int64)  # the kernel's
-
-    def __len__(self) -> int:
-        return len(self._numel)
 
     def add(self, tensor: torch.Tensor) -> int:
         """Queue the statistics of a tensor that `skip_reason` accepts; returns its slot."""
         slot = len(self._numel)
         self._numel.append(tensor.numel())
-        self._results.append(None)
         if KERNEL.supports(tensor):
             if slot >= len(self._floats):
                 self._grow(slot + 1)
             KERNEL.stats(tensor, self._floats_at + self._floats.strides[0] * slot,
                          self._ints_at + self._ints.strides[0] * slot, self._queued)
-        elif self._worker is not None and tensor.device.type == "cpu":
+        else:
+            self.compute(tensor, slot)
+        return slot
+
+    def compute(self, tensor: torch.Tensor, slot: int) -> None:
+        """The statistics of a tensor the kernel does not take, with torch ops, into `slot`."""
+        if self._worker is not None and tensor.device.type == "cpu":
             self._worker.submit(self._results, slot, tensor)
         else:
             self._results[slot] = torch_stats(tensor, self._weights)
-        return slot
 
     def _grow(self, needed: int) -> None:
         """At least twice the kernel's rows, once the queued calls that write into them have run."""
@@ -215,16 +218,23 @@ class StatsBatch:
         if self._worker is not None:
             self._worker.drain()
 
-    def collect(self) -> tuple[np.ndarray, np.ndarray]:
-        """(float64 [n, 4] min/max/mean/norm, int64 [n, 3] nan/inf/checksum), one copy per device."""
+    def collect(self, recorded: tuple[bytes, bytes, bytes] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(float64 [n, 4] min/max/mean/norm, int64 [n, 3] nan/inf/checksum), one copy per device.
+        `recorded`: the recorder's kernel rows and element counts (its `statistics`), taken after
+        `drain()`."""
         self.drain()
-        n = len(self)
-        floats = np.full((n, 4), np.nan)
-        ints = np.zeros((n, 3), dtype=np.int64)
-        rows = min(n, len(self._floats))
-        floats[:rows], ints[:rows] = self._floats[:rows], self._ints[:rows]
-        on_device = [slot for slot, r in enumerate(self._results) if r is not None]
-        if on_device:
+        if recorded is None:
+            n = len(self._numel)
+            numel = np.array(self._numel, dtype=np.float64)
+            floats, ints = np.full((n, 4), np.nan), np.zeros((n, 3), dtype=np.int64)
+            rows = min(n, len(self._floats))
+            floats[:rows], ints[:rows] = self._floats[:rows], self._ints[:rows]
+        else:
+            floats = np.frombuffer(recorded[0], np.float64).reshape(-1, 4).copy()
+            ints = np.frombuffer(recorded[1], np.int64).reshape(-1, 3).copy()
+            numel = np.frombuffer(recorded[2], np.int64).astype(np.float64)
+        if self._results:
+            on_device = sorted(self._results)
             results = [self._results[slot] for slot in on_device]
             floats[on_device] = _stack_to_host([value for r in results for value in r[:4]]).reshape(-1, 4)
             ints[on_device, 2] = _stack_to_host([r[6] for r in results])
@@ -232,7 +242,7 @@ class StatsBatch:
             if counted:
                 counts = [count for slot in counted for count in self._results[slot][4:6]]
                 ints[counted, :2] = _stack_to_host(counts).reshape(-1, 2)
-        finite = np.array(self._numel, dtype=np.float64) - ints[:, 0] - ints[:, 1]
+        finite = numel - ints[:, 0] - ints[:, 1]
         with np.errstate(invalid="ignore", divide="ignore"):
             floats[:, 2] /= finite
             floats[:, 3] = np.sqrt(floats[:, 3])

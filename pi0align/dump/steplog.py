@@ -11,6 +11,7 @@ from fnmatch import fnmatchcase
 import numpy as np
 import torch
 
+from pi0align.dump.kernel import KERNEL
 from pi0align.dump.sampling import Sampler
 from pi0align.dump.stats import ChecksumWeights, StatsBatch, StatsWorker, skip_reason
 
@@ -72,7 +73,10 @@ class Filter:
 
 @dataclass
 class StepLog:
-    """Accumulates one step. `tensor_sink(tensor) -> path` stores full tensors (tensor mode)."""
+    """Accumulates one step. `tensor_sink(tensor) -> path` stores full tensors (tensor mode).
+
+    Records are kept by the extension's recorder (observer.py) where it is built, else here in
+    Python; both keep the same columns, and `finish` builds the tables from either."""
 
     step: int
     weights: ChecksumWeights
@@ -81,24 +85,36 @@ class StepLog:
     worker: StatsWorker | None = None
     queued: bool = False  # CPU statistics on the fused kernel's thread
     calls: list[tuple] = field(default_factory=list)
-    records: list[list] = field(default_factory=list)  # RECORD_COLUMNS + [slot, sample row]
-    seen: dict[tuple, _Seen] = field(default_factory=dict)  # _elements_key -> what to reuse
+    records: list[list] = field(default_factory=list)  # Python path: RECORD_COLUMNS + [slot, sample row]
+    seen: dict[tuple, _Seen] = field(default_factory=dict)  # Python path: _elements_key -> what to reuse
     stats: StatsBatch = None
 
     def __post_init__(self) -> None:
         self.stats = StatsBatch(self.weights, self.worker, self.queued)
+        self._native = KERNEL.observer if KERNEL.load() == "fused" else None
+        self._recorder = None
+        if self._native is not None:
+            _describe_records(self._native)
+            self._recorder = self._native.recorder(self.queued, self.stats.compute, self.tensor_sink,
+                                                   self.sampler.add if self.sampler is not None else None)
 
     def open_call(self, name: str, module: str, api: str, direction: str, stack_id: int, args: str) -> int:
         self.calls.append((len(self.calls), name, module, api, direction, stack_id, args))
         return len(self.calls) - 1
 
     def add_tensors(self, call_id: int, name: str, role: str, tensors: list[torch.Tensor]) -> None:
+        if self._recorder is not None:
+            self._native.record(self._recorder, call_id, name, role, 0, tensors)
+            return
         for arg_index, tensor in enumerate(tensors):
             self.add_tensor(call_id, name, role, arg_index, tensor)
 
-    def add_tensor(self, call_id: int, name: str, role: str, arg_index: int, tensor: torch.Tensor) -> list:
-        """Record one tensor. A tensor already recorded in the step, unchanged (the output of one
-        call read by the next, a parameter read by many), borrows its statistics and stored copy."""
+    def add_tensor(self, call_id: int, name: str, role: str, arg_index: int, tensor: torch.Tensor) -> int:
+        """Record one tensor; returns its row. A tensor already recorded in the step, unchanged (the
+        output of one call read by the next, a parameter read by many), borrows its statistics and
+        stored copy."""
+        if self._recorder is not None:
+            return self._native.record(self._recorder, call_id, name, role, arg_index, [tensor])
         skipped = skip_reason(tensor)
         shape = tuple(tensor.shape)
         slot, sample_row, path = -1, -1, ""
@@ -117,26 +133,34 @@ class StepLog:
                 self.seen[key] = _Seen(weakref.ref(tensor), slot, shape, path)
             if self.sampler is not None:
                 sample_row = self.sampler.add(tensor, name, role, arg_index)
-        row = [call_id, role, arg_index, _dtype_name(tensor.dtype), _shape_json(shape), tensor.numel(), path, skipped,
-               slot, sample_row]
-        self.records.append(row)
-        return row  # its call_id may be set later (parameters get their call row at the step's end)
+        self.records.append([call_id, role, arg_index, _dtype_name(tensor.dtype), _shape_json(shape), tensor.numel(),
+                             path, skipped, slot, sample_row])
+        return len(self.records) - 1
 
-    def drop(self, row: list) -> None:
+    def set_call(self, row: int, call_id: int) -> None:
+        """Give a record its call (parameters get their call row at the step's end); -1 drops it."""
+        if self._recorder is not None:
+            self._native.set_call(self._recorder, row, call_id)
+        else:
+            self.records[row][0] = call_id
+
+    def drop(self, row: int) -> None:
         """Forget a record (a parameter gradient superseded by a later accumulation)."""
-        row[0] = -1
+        self.set_call(row, -1)
 
     def finish(self) -> StepTables:
         """Read the statistics back (one copy per device) and build the tables."""
         calls = dict(zip(CALL_COLUMNS, map(_array, _columns(self.calls, len(CALL_COLUMNS)))))
         calls["call_id"] = np.arange(len(self.calls), dtype=np.int32)
-        columns = _columns([row for row in self.records if row[0] >= 0], len(RECORD_COLUMNS) + 2)
-        call_ids, roles, arg_indices = (np.array(c, dtype=np.int64) for c in
-                                        (columns[0], [_ROLE_ORDER[r] for r in columns[1]], columns[2]))
-        order = np.lexsort((arg_indices, roles, call_ids))
-        records = {c: _array(columns[i])[order] for i, c in enumerate(RECORD_COLUMNS)}
-        floats, ints = self.stats.collect()
-        slots = np.array(columns[8], dtype=np.int64)[order]
+        columns = self._record_columns()
+        kept = columns["call_id"] >= 0
+        columns = {c: v[kept] for c, v in columns.items()}
+        roles = np.array([_ROLE_ORDER[r] for r in columns["role"]], dtype=np.int64)
+        order = np.lexsort((columns["arg_index"], roles, columns["call_id"]))
+        records = {c: columns[c][order] for c in RECORD_COLUMNS}
+        self.stats.drain()
+        floats, ints = self.stats.collect(self._native.statistics(self._recorder) if self._recorder else None)
+        slots = columns["slot"][order]
         has = slots >= 0
         for j, column in enumerate(("min", "max", "mean", "norm")):
             records[column] = np.where(has, floats[slots, j] if len(floats) else np.nan, np.nan)
@@ -145,15 +169,37 @@ class StepLog:
         samples = None
         records["sample_count"] = np.zeros(len(order), dtype=np.int32)
         if self.sampler is not None:
-            values, positions, counts = self.sampler.collect(np.array(columns[9], dtype=np.int64)[order])
+            values, positions, counts = self.sampler.collect(columns["sample_row"][order])
             samples, records["sample_count"] = (values, positions), counts
         return StepTables(self.step, calls, records, samples)
 
+    def _record_columns(self) -> dict[str, np.ndarray]:
+        """RECORD_COLUMNS plus slot and sample_row, dropped records included."""
+        if self._recorder is not None:
+            call_id, arg_index, numel, slot, sample_row, *texts = self._native.columns(self._recorder)
+            columns = {"call_id": np.frombuffer(call_id, np.int64), "arg_index": np.frombuffer(arg_index, np.int32),
+                       "numel": np.frombuffer(numel, np.int64), "slot": np.frombuffer(slot, np.int64),
+                       "sample_row": np.frombuffer(sample_row, np.int64)}
+            for column, values in zip(("role", "dtype", "shape", "tensor", "skipped"), texts):
+                columns[column] = _array(values)
+            return columns
+        names = (*RECORD_COLUMNS, "slot", "sample_row")
+        columns = dict(zip(names, map(_array, _columns(self.records, len(names)))))
+        for column in ("call_id", "arg_index", "numel", "slot", "sample_row"):
+            columns[column] = columns[column].astype(np.int64)
+        return columns
 
-def _array(column: tuple) -> np.ndarray:
+
+@functools.cache
+def _describe_records(native) -> None:
+    """Tell the extension's recorder which types are plain tensors and how dtypes are named."""
+    native.describe_records(torch.Tensor, torch.nn.Parameter, lambda tensor: _dtype_name(tensor.dtype))
+
+
+def _array(column) -> np.ndarray:
     """A column as an array: str columns as object arrays (what the writer stores; a numpy
     unicode array would cost a conversion each way)."""
-    return np.array(column, dtype=object) if column and isinstance(column[0], str) else np.array(column)
+    return np.array(column, dtype=object) if len(column) and isinstance(column[0], str) else np.array(column)
 
 
 def _columns(rows: list, width: int) -> list[tuple]:
