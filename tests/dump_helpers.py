@@ -56,7 +56,7 @@ def read_step(path, step: int) -> dict:
     """{"calls": {column: list}, "records": {column: list}, "attrs": dict} with strings decoded."""
     with h5py.File(path, "r") as f:
         group = f[f"steps/{step:06d}"]
-        tables = {table: {name: _decode(group[table][name][()]) for name in group[table]} for table in ("calls", "records")}
+        tables = {table: {name: _column(group[table][name]) for name in group[table]} for table in ("calls", "records")}
         tables["attrs"] = dict(group.attrs)
         if "samples" in group:
             tables["samples"] = {name: group["samples"][name][()] for name in group["samples"]}
@@ -93,7 +93,6 @@ def manifest(path) -> dict:
         return json.loads(f["manifest"][()])
 
 
-def _decode(values):
-    if isinstance(values, np.ndarray) and values.dtype == object:
-        return [v.decode() if isinstance(v, bytes) else v for v in values]
-    return values.tolist() if isinstance(values, np.ndarray) else values
+def _column(dataset: h5py.Dataset) -> list:
+    """A column as a list; str columns (fixed- or variable-length) as str, as the format says."""
+    return (dataset.asstr() if h5py.check_string_dtype(dataset.dtype) else dataset)[()].tolist()

@@ -6,6 +6,7 @@ the step and direction, so an extra or fused call in one module never renames th
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections import Counter
 
@@ -88,8 +89,14 @@ _UPDATES_ARGUMENTS = frozenset({"Functional.batch_norm", "Functional.instance_no
 
 def is_inplace(api: str, kwargs: dict) -> bool:
     """Whether a call may write into one of its tensor arguments (their statistics come first)."""
+    return _writes_arguments(api) or (bool(kwargs) and (kwargs.get("out") is not None or kwargs.get("inplace") is True))
+
+
+@functools.cache
+def _writes_arguments(api: str) -> bool:
+    """Whether the API itself writes into an argument, whatever the call's keywords."""
     method = api.rsplit(".", 1)[-1]
-    if kwargs.get("out") is not None or kwargs.get("inplace") is True or api in _UPDATES_ARGUMENTS:
+    if api in _UPDATES_ARGUMENTS:
         return True
     if method.startswith("__"):
         return method.startswith("__i") or method == "__setitem__"

@@ -66,6 +66,8 @@ class Filter:
         self.exclude = list(exclude or [])
 
     def __call__(self, name: str) -> bool:
+        if not self.include and not self.exclude:
+            return True  # the usual case, asked once per call
         if self.include and not any(fnmatchcase(name, p) for p in self.include):
             return False
         return not any(fnmatchcase(name, p) for p in self.exclude)

@@ -94,7 +94,7 @@ def _bytes_needed(tables: StepTables | None, stacks: list[tuple[int, str]], metr
 def _column_bytes(values: np.ndarray) -> int:
     """A bound on a column's bytes in the file: str columns (object arrays) by their UTF-8 length."""
     if values.dtype == object:
-        return sum(4 * len(v) + 16 for v in values)
+        return 4 * sum(map(len, values)) + 16 * len(values)
     return values.nbytes + 16 * len(values)
 
 
@@ -123,13 +123,37 @@ def _write_step(f: h5py.File, tables: StepTables, tensors_file: str | None) -> N
     group.attrs["complete"] = True
 
 
+_SHORT = 64  # str columns no longer than this, and ASCII, are stored fixed-length (docs/dump-format.md)
+
+
 def _create_column(group: h5py.Group, name: str, values: np.ndarray, dtype) -> None:
     """One column, through h5py's low-level API: the dataset `create_dataset` makes, in half the time
-    (two dozen columns a step)."""
-    data = np.asarray(values, dtype=object) if dtype is _STR else np.ascontiguousarray(values, dtype=dtype)
-    dataset = h5d.create(group.id, name.encode(), h5t.py_create(dtype, logical=True), h5s.create_simple((len(data),)))
+    (two dozen columns a step). Short ASCII str columns (roles, dtypes, shapes, ...) are stored as
+    fixed-length strings: HDF5 copies them, where each variable-length one is converted alone."""
+    memory_type = None
+    if dtype is _STR:
+        data = _fixed_length(values)
+        if data is None:
+            data, file_type = np.asarray(values, dtype=object), h5t.py_create(_STR, logical=True)
+        else:
+            file_type = memory_type = h5t.py_create(data.dtype)
+            file_type.set_cset(h5t.CSET_UTF8)
+    else:
+        data = np.ascontiguousarray(values, dtype=dtype)
+        file_type = h5t.py_create(data.dtype)
+    dataset = h5d.create(group.id, name.encode(), file_type, h5s.create_simple((len(data),)))
     if len(data):
-        dataset.write(h5s.ALL, h5s.ALL, data)  # str objects are converted to the file's UTF-8 strings
+        dataset.write(h5s.ALL, h5s.ALL, data, mtype=memory_type)  # str objects: converted one by one
+
+
+def _fixed_length(values: np.ndarray) -> np.ndarray | None:
+    """The column as a bytes array when every value is short ASCII, else None."""
+    if not len(values) or max(map(len, values)) > _SHORT:
+        return None
+    try:
+        return np.array(values, dtype="S")
+    except UnicodeEncodeError:
+        return None
 
 
 WRITE_ERRORS = (OSError, RuntimeError)  # h5py reports some failed writes (a full disk) as RuntimeError
