@@ -82,6 +82,22 @@ def _node_hook(outs: list, ins: list, sink: Sink):
     return hook
 
 
+def sink(log, name: str, open_backward: Callable[[], int]) -> Sink:
+    """Records each gradient of one forward call `name` into `log` (a StepLog) until its step has
+    ended; `open_backward()` opens the call's backward row, at the first gradient."""
+    backward_id = None
+
+    def record(role: str, arg_index: int, grad: torch.Tensor) -> None:
+        nonlocal backward_id
+        if log.closed:
+            return  # a graph kept past its step (retain_graph) or past stop()
+        if backward_id is None:
+            backward_id = open_backward()
+        log.add_tensor(backward_id, name, role, arg_index, grad)
+
+    return record
+
+
 def watch_tensor_grads(tensors: list[torch.Tensor], role: str, sink: Sink) -> None:
     """Report the full gradient of each tensor that requires grad (module inputs)."""
     for arg, tensor in enumerate(tensors):

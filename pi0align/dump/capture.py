@@ -21,6 +21,13 @@ _BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad
 _quiet = torch._C.DisableTorchFunction  # the dumper's own tensor work is never captured
 
 
+def compiled_hooks():
+    """The extension (observer.py), whose hooks record gradients in C++, or None where it is not
+    built: backward.py's hooks run."""
+    KERNEL.load()
+    return KERNEL.observer
+
+
 class Capture:
     """Everything installed on a model during dumped steps; records into the current StepLog."""
 
@@ -44,11 +51,10 @@ class Capture:
         self._parameters: list[tuple[str, str, torch.nn.Parameter]] = []  # (name, module, param)
         self._param_rows: dict[int, int] | None = None  # id(param) -> its value record's row, once read
         self._grad_rows: dict[int, int] = {}  # id(param) -> its latest gradient record's row
-        KERNEL.load()
-        compiled = KERNEL.observer  # observer.py: backward.py's functions in C++
-        self._input_edges = backward.input_edges if compiled is None else compiled.input_edges
-        self._watch = backward.watch if compiled is None else compiled.watch
-        self._watch_tensor_grads = backward.watch_tensor_grads if compiled is None else compiled.watch_tensor_grads
+        self._compiled = compiled_hooks()
+        hooks = backward if self._compiled is None else self._compiled
+        self._input_edges, self._watch = hooks.input_edges, hooks.watch
+        self._watch_tensor_grads = hooks.watch_tensor_grads
 
     @property
     def installed(self) -> bool:
@@ -139,7 +145,10 @@ class Capture:
         """Close the step, giving the parameters their call rows last (after every backward call).
         None when nothing ran in the step."""
         log, self.log = self.log, None
-        if log is None or not log.calls:
+        if log is None:
+            return None
+        log.close()  # gradients of a graph kept past the step are not its
+        if not log.calls:
             return None
         for name, module, param in self._parameters:
             value, grad = (self._param_rows or {}).get(id(param)), self._grad_rows.get(id(param))
@@ -201,7 +210,7 @@ class Capture:
         call_id, name = opened
         self.log.add_tensors(call_id, name, "output", outputs)
         if edges or any(o.requires_grad for o in outputs):
-            self._watch(outputs, edges, self._grad_sink(call_id))
+            self._watch(outputs, edges, self._grad_sink(call_id, name))
         return result
 
     def _run(self, func, args: tuple, kwargs: dict):
@@ -222,7 +231,7 @@ class Capture:
                     call_id, name = opened
                     inputs = flatten_tensors(kwargs, flatten_tensors(args, []))
                     self.log.add_tensors(call_id, name, "input", inputs)
-                    opened = (call_id, name, self._grad_sink(call_id))
+                    opened = (call_id, name, self._grad_sink(call_id, name))
                     self._watch_tensor_grads(inputs, "grad_input", opened[2])
         self._open_modules.append(opened)
 
@@ -240,21 +249,17 @@ class Capture:
 
     # ---- backward ------------------------------------------------------------------------------
 
-    def _grad_sink(self, forward_id: int):
-        """Records gradients of one forward call; its backward row opens when the first arrives."""
+    def _grad_sink(self, forward_id: int, name: str):
+        """Where the gradients of one forward call go; its backward row opens when the first arrives."""
         log = self.log
-        backward_id = None
 
-        def sink(role: str, arg_index: int, grad: torch.Tensor) -> None:  # called quietly (backward.Sink)
-            nonlocal backward_id
-            if self.log is not log:
-                return  # a graph kept past its step (retain_graph) or past stop()
+        def open_backward() -> int:
             _, name, module, api, _, stack_id, args = log.calls[forward_id]
-            if backward_id is None:
-                backward_id = log.open_call(name, module, api, "backward", stack_id, args)
-            log.add_tensor(backward_id, name, role, arg_index, grad)
+            return log.open_call(name, module, api, "backward", stack_id, args)
 
-        return sink
+        if self._compiled is not None:
+            return self._compiled.backward_call(log.recorder, name, open_backward)
+        return backward.sink(log, name, open_backward)
 
     def _grad_hook(self, name: str):
         record_name = f"{name}/Parameter#0"

@@ -79,58 +79,55 @@ struct Quiet {
   ~Quiet() { at::impl::PythonTorchFunctionTLS::set_disabled_state(previous); }
 };
 
-// sink(role, arg, grad), with the GIL held; a Python error is raised through autograd.
-void report(PyObject* sink, PyObject* role, long arg, const at::TensorBase& grad) {
-  PyObject* wrapped = THPVariable_Wrap(grad);
-  PyObject* index = PyLong_FromLong(arg);
-  PyObject* result = wrapped && index ? PyObject_CallFunctionObjArgs(sink, role, index, wrapped, nullptr) : nullptr;
-  Py_XDECREF(wrapped);
-  Py_XDECREF(index);
-  if (result == nullptr) throw python_error();
-  Py_DECREF(result);
-}
+// A forward call's backward row and where its gradients are recorded (defined with the recorder).
+struct BackwardCall;
+// The backward call a capsule holds, or null with a Python error set.
+std::shared_ptr<BackwardCall> backward_call_of(PyObject* capsule);
+// Records one gradient of the call, with the GIL held; a Python error is raised through autograd.
+void deliver(BackwardCall& call, PyObject* role, long arg, const at::TensorBase& grad);
 
-// Reports, to the Python sink(role, arg, gradient), the gradients a node receives (the call's
-// output gradients) and those it produces towards the call's inputs. Changes nothing.
+// Records the gradients a node receives (the call's output gradients) and those it produces
+// towards the call's inputs. Changes nothing.
 class SinkHook final : public torch::autograd::FunctionPostHook {
  public:
-  SinkHook(PyObject* sink, std::vector<Slot> outs, std::vector<Slot> ins)
-      : sink_(std::make_shared<PyRef>(sink)), outs_(std::move(outs)), ins_(std::move(ins)) {}
+  SinkHook(std::shared_ptr<BackwardCall> call, std::vector<Slot> outs, std::vector<Slot> ins)
+      : call_(std::move(call)), outs_(std::move(outs)), ins_(std::move(ins)) {}
 
   variable_list operator()(const variable_list& grad_inputs, const variable_list& grad_outputs) override {
     pybind11::gil_scoped_acquire gil;
     Quiet quiet;
-    report_all(role_grad_output, outs_, grad_outputs);
-    report_all(role_grad_input, ins_, grad_inputs);
+    deliver_all(role_grad_output, outs_, grad_outputs);
+    deliver_all(role_grad_input, ins_, grad_inputs);
     return grad_inputs;
   }
 
  private:
-  void report_all(PyObject* role, const std::vector<Slot>& slots, const variable_list& grads) {
+  void deliver_all(PyObject* role, const std::vector<Slot>& slots, const variable_list& grads) {
     for (const Slot& slot : slots)
-      if (slot.index < grads.size() && grads[slot.index].defined()) report(sink_->object, role, slot.arg, grads[slot.index]);
+      if (slot.index < grads.size() && grads[slot.index].defined()) deliver(*call_, role, slot.arg, grads[slot.index]);
   }
 
-  std::shared_ptr<PyRef> sink_;
+  std::shared_ptr<BackwardCall> call_;
   std::vector<Slot> outs_, ins_;
 };
 
-// watch_tensor_grads(tensors, role, sink): sink(role, arg, gradient) with each tensor's full
-// gradient (backward.watch_tensor_grads: module inputs)
+// watch_tensor_grads(tensors, role, sink): records each tensor's full gradient as the sink's
+// (backward.watch_tensor_grads: module inputs)
 PyObject* watch_tensor_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (!arity(nargs, 3, "watch_tensor_grads(tensors, role, sink)")) return nullptr;
+  std::shared_ptr<BackwardCall> call = backward_call_of(args[2]);
+  if (!call) return nullptr;
   PyObject* seq = PySequence_Fast(args[0], "watch_tensor_grads takes a list of tensors");
   if (seq == nullptr) return nullptr;
   auto role = std::make_shared<PyRef>(args[1]);
-  auto sink = std::make_shared<PyRef>(args[2]);
   for (Py_ssize_t arg = 0; arg < PySequence_Fast_GET_SIZE(seq); ++arg) {
     PyObject* item = PySequence_Fast_GET_ITEM(seq, arg);
     if (!THPVariable_Check(item) || !THPVariable_Unpack(item).requires_grad()) continue;
-    THPVariable_Unpack(item).register_hook([role, sink, arg](const at::TensorBase& grad) {
+    THPVariable_Unpack(item).register_hook([role, call, arg](const at::TensorBase& grad) {
       pybind11::gil_scoped_acquire gil;
       Quiet quiet;
-      report(sink->object, role->object, (long)arg, grad);
+      deliver(*call, role->object, (long)arg, grad);
     });
   }
   Py_DECREF(seq);
@@ -207,6 +204,8 @@ PyObject* watch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     edges = static_cast<InputEdges*>(PyCapsule_GetPointer(args[1], "pi0align.input_edges"));
     if (edges == nullptr) return nullptr;
   }
+  std::shared_ptr<BackwardCall> call = backward_call_of(args[2]);
+  if (!call) return nullptr;
   PyObject* seq = PySequence_Fast(args[0], "watch takes a list of tensors");
   if (seq == nullptr) return nullptr;
   std::vector<Watched> watched;
@@ -250,7 +249,7 @@ PyObject* watch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   for (Watched& w : watched) {
     if (seen.size() > kMaxNodes) w.ins.clear();  // a composite: its input edges are not all found, report none
-    if (!w.outs.empty() || !w.ins.empty()) w.node->add_post_hook(std::make_unique<SinkHook>(args[2], w.outs, w.ins));
+    if (!w.outs.empty() || !w.ins.empty()) w.node->add_post_hook(std::make_unique<SinkHook>(call, w.outs, w.ins));
   }
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
@@ -438,6 +437,7 @@ struct Seen {
 
 struct Recorder {
   bool queued = false;
+  bool closed = false;  // the step has ended: gradients arriving later (a graph kept past it) are not its
   PyObject* fallback = nullptr;  // fallback(tensor, slot): statistics the kernel does not compute
   PyObject* sink = nullptr;  // sink(tensor) -> its stored path (tensor mode), or None
   PyObject* sampler = nullptr;  // sampler(tensor, name, role, arg_index) -> its sample row, or None
@@ -680,7 +680,61 @@ PyObject* describe_records(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
+struct BackwardCall {
+  PyRef recorder, name, opener;  // opener() -> the backward row's call id, asked at the first gradient
+  int64_t id = -1;
+  BackwardCall(PyObject* r, PyObject* n, PyObject* o) : recorder(r), name(n), opener(o) {}
+};
+
+void free_backward_call(PyObject* capsule) {
+  delete static_cast<std::shared_ptr<BackwardCall>*>(PyCapsule_GetPointer(capsule, "pi0align.backward_call"));
+}
+
+std::shared_ptr<BackwardCall> backward_call_of(PyObject* capsule) {
+  auto* call = static_cast<std::shared_ptr<BackwardCall>*>(PyCapsule_GetPointer(capsule, "pi0align.backward_call"));
+  return call == nullptr ? nullptr : *call;
+}
+
+void deliver(BackwardCall& call, PyObject* role, long arg, const at::TensorBase& grad) {
+  Recorder* r = recorder_of(call.recorder.object);
+  if (r == nullptr) throw python_error();
+  if (r->closed) return;
+  if (call.id < 0) {
+    PyObject* id = PyObject_CallNoArgs(call.opener.object);
+    if (id == nullptr) throw python_error();
+    call.id = PyLong_AsLongLong(id);
+    Py_DECREF(id);
+    if (PyErr_Occurred()) throw python_error();
+  }
+  PyObject* wrapped = THPVariable_Wrap(grad);
+  if (wrapped == nullptr) throw python_error();
+  bool ok = record(*r, call.id, call.name.object, role, (int32_t)arg, wrapped);
+  Py_DECREF(wrapped);
+  if (!ok) throw python_error();
+}
+
+// backward_call(recorder, name, opener) -> the sink of one forward call's gradients, for watch
+// and watch_tensor_grads
+PyObject* new_backward_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 3, "backward_call(recorder, name, opener)")) return nullptr;
+  if (recorder_of(args[0]) == nullptr) return nullptr;
+  auto* call = new std::shared_ptr<BackwardCall>(std::make_shared<BackwardCall>(args[0], args[1], args[2]));
+  PyObject* capsule = PyCapsule_New(call, "pi0align.backward_call", free_backward_call);
+  if (capsule == nullptr) delete call;
+  return capsule;
+}
+
+// close(recorder): the step has ended
+PyObject* close_recorder(PyObject*, PyObject* capsule) {
+  Recorder* r = recorder_of(capsule);
+  if (r == nullptr) return nullptr;
+  r->closed = true;
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
+    {"backward_call", (PyCFunction)(void (*)(void))new_backward_call, METH_FASTCALL, "a call's gradient sink"},
+    {"close", close_recorder, METH_O, "the step has ended"},
     {"describe_records", (PyCFunction)(void (*)(void))describe_records, METH_FASTCALL, "types and dtype names"},
     {"recorder", (PyCFunction)(void (*)(void))new_recorder, METH_FASTCALL, "a step's records"},
     {"record", (PyCFunction)(void (*)(void))record_tensors, METH_FASTCALL, "records of tensors"},

@@ -18,7 +18,7 @@ class Stacks:
     """Interns call-site stacks; `new` holds the ones not yet written to the file."""
 
     def __init__(self) -> None:
-        self._ids: dict[tuple, int] = {}
+        self._ids: dict[tuple, tuple[int, object]] = {}  # (module, id(code), line) -> (stack_id, code)
         self.new: list[tuple[int, str]] = []  # (stack_id, JSON list of "file:line function")
 
     def current(self, module: str) -> int:
@@ -28,17 +28,20 @@ class Stacks:
             frame = frame.f_back
         if frame is None:
             return -1
-        key = (module, frame.f_code, frame.f_lineno)
-        stack_id = self._ids.get(key)
-        if stack_id is None:
-            stack_id = self._ids[key] = len(self._ids)
-            frames = []
-            while frame is not None:
-                code = frame.f_code
-                if not code.co_filename.startswith(_HIDDEN):
-                    frames.append(f"{code.co_filename}:{frame.f_lineno} {code.co_name}")
-                frame = frame.f_back
-            self.new.append((stack_id, json.dumps(frames[::-1])))
+        code = frame.f_code
+        key = (module, id(code), frame.f_lineno)  # hashing a code object costs more than the rest
+        known = self._ids.get(key)
+        if known is not None:
+            return known[0]
+        stack_id = len(self._ids)
+        self._ids[key] = (stack_id, code)  # the code object is kept: its id is not reused meanwhile
+        frames = []
+        while frame is not None:
+            code = frame.f_code
+            if not code.co_filename.startswith(_HIDDEN):
+                frames.append(f"{code.co_filename}:{frame.f_lineno} {code.co_name}")
+            frame = frame.f_back
+        self.new.append((stack_id, json.dumps(frames[::-1])))
         return stack_id
 
     def take_new(self) -> list[tuple[int, str]]:

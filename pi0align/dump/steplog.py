@@ -90,6 +90,7 @@ class StepLog:
     records: list[list] = field(default_factory=list)  # Python path: RECORD_COLUMNS + [slot, sample row]
     seen: dict[tuple, _Seen] = field(default_factory=dict)  # Python path: _elements_key -> what to reuse
     stats: StatsBatch = None
+    closed: bool = False
 
     def __post_init__(self) -> None:
         self.stats = StatsBatch(self.weights, self.worker, self.queued)
@@ -99,6 +100,17 @@ class StepLog:
             _describe_records(self._native)
             self._recorder = self._native.recorder(self.queued, self.stats.compute, self.tensor_sink,
                                                    self.sampler.add if self.sampler is not None else None)
+
+    @property
+    def recorder(self):
+        """The extension's recorder of this step, None on the Python path."""
+        return self._recorder
+
+    def close(self) -> None:
+        """The step has ended: gradients arriving later (a graph kept past it) are not recorded."""
+        self.closed = True
+        if self._recorder is not None:
+            self._native.close(self._recorder)
 
     def open_call(self, name: str, module: str, api: str, direction: str, stack_id: int, args: str) -> int:
         self.calls.append((len(self.calls), name, module, api, direction, stack_id, args))
