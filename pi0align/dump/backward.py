@@ -82,9 +82,9 @@ def _node_hook(outs: list, ins: list, sink: Sink):
     return hook
 
 
-def sink(log, name: str, open_backward: Callable[[], int]) -> Sink:
-    """Records each gradient of one forward call `name` into `log` (a StepLog) until its step has
-    ended; `open_backward()` opens the call's backward row, at the first gradient."""
+def sink(log, name: str, forward_id: int) -> Sink:
+    """Records each gradient of the forward call `forward_id` (named `name`) into `log` (a StepLog)
+    until its step has ended; the call's backward row opens at the first gradient."""
     backward_id = None
 
     def record(role: str, arg_index: int, grad: torch.Tensor) -> None:
@@ -92,7 +92,7 @@ def sink(log, name: str, open_backward: Callable[[], int]) -> Sink:
         if log.closed:
             return  # a graph kept past its step (retain_graph) or past stop()
         if backward_id is None:
-            backward_id = open_backward()
+            backward_id = log.open_backward(forward_id)
         log.add_tensor(backward_id, name, role, arg_index, grad)
 
     return record

@@ -251,15 +251,9 @@ class Capture:
 
     def _grad_sink(self, forward_id: int, name: str):
         """Where the gradients of one forward call go; its backward row opens when the first arrives."""
-        log = self.log
-
-        def open_backward() -> int:
-            _, name, module, api, _, stack_id, args = log.calls[forward_id]
-            return log.open_call(name, module, api, "backward", stack_id, args)
-
         if self._compiled is not None:
-            return self._compiled.backward_call(log.recorder, name, open_backward)
-        return backward.sink(log, name, open_backward)
+            return self._compiled.backward_call(self.log.recorder, name, self.log.open_backward, forward_id)
+        return backward.sink(self.log, name, forward_id)
 
     def _grad_hook(self, name: str):
         record_name = f"{name}/Parameter#0"

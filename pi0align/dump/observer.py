@@ -681,9 +681,11 @@ PyObject* describe_records(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 struct BackwardCall {
-  PyRef recorder, name, opener;  // opener() -> the backward row's call id, asked at the first gradient
+  // opener(forward_id) -> the backward row's call id, asked at the first gradient. Nothing here
+  // is a Python object made per call: a step's hooks leave the garbage collector nothing to scan.
+  PyRef recorder, name, opener, forward_id;
   int64_t id = -1;
-  BackwardCall(PyObject* r, PyObject* n, PyObject* o) : recorder(r), name(n), opener(o) {}
+  BackwardCall(PyObject* r, PyObject* n, PyObject* o, PyObject* f) : recorder(r), name(n), opener(o), forward_id(f) {}
 };
 
 void free_backward_call(PyObject* capsule) {
@@ -700,7 +702,7 @@ void deliver(BackwardCall& call, PyObject* role, long arg, const at::TensorBase&
   if (r == nullptr) throw python_error();
   if (r->closed) return;
   if (call.id < 0) {
-    PyObject* id = PyObject_CallNoArgs(call.opener.object);
+    PyObject* id = PyObject_CallOneArg(call.opener.object, call.forward_id.object);
     if (id == nullptr) throw python_error();
     call.id = PyLong_AsLongLong(id);
     Py_DECREF(id);
@@ -713,12 +715,12 @@ void deliver(BackwardCall& call, PyObject* role, long arg, const at::TensorBase&
   if (!ok) throw python_error();
 }
 
-// backward_call(recorder, name, opener) -> the sink of one forward call's gradients, for watch
-// and watch_tensor_grads
+// backward_call(recorder, name, opener, forward_id) -> the sink of one forward call's gradients,
+// for watch and watch_tensor_grads
 PyObject* new_backward_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!arity(nargs, 3, "backward_call(recorder, name, opener)")) return nullptr;
+  if (!arity(nargs, 4, "backward_call(recorder, name, opener, forward_id)")) return nullptr;
   if (recorder_of(args[0]) == nullptr) return nullptr;
-  auto* call = new std::shared_ptr<BackwardCall>(std::make_shared<BackwardCall>(args[0], args[1], args[2]));
+  auto* call = new std::shared_ptr<BackwardCall>(std::make_shared<BackwardCall>(args[0], args[1], args[2], args[3]));
   PyObject* capsule = PyCapsule_New(call, "pi0align.backward_call", free_backward_call);
   if (capsule == nullptr) delete call;
   return capsule;

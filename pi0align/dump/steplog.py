@@ -96,6 +96,7 @@ class StepLog:
         self.stats = StatsBatch(self.weights, self.worker, self.queued)
         self._native = KERNEL.observer if KERNEL.load() == "fused" else None
         self._recorder = None
+        self.open_backward = self.open_backward  # one bound method for every hook of the step
         if self._native is not None:
             _describe_records(self._native)
             self._recorder = self._native.recorder(self.queued, self.stats.compute, self.tensor_sink,
@@ -115,6 +116,11 @@ class StepLog:
     def open_call(self, name: str, module: str, api: str, direction: str, stack_id: int, args: str) -> int:
         self.calls.append((len(self.calls), name, module, api, direction, stack_id, args))
         return len(self.calls) - 1
+
+    def open_backward(self, forward_id: int) -> int:
+        """Open the backward row of a forward call (when its first gradient arrives)."""
+        _, name, module, api, _, stack_id, args = self.calls[forward_id]
+        return self.open_call(name, module, api, "backward", stack_id, args)
 
     def add_tensors(self, call_id: int, name: str, role: str, tensors: list[torch.Tensor]) -> None:
         if self._recorder is not None:
