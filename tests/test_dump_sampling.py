@@ -27,6 +27,7 @@ def test_two_runs_with_different_data_sample_the_same_positions(tmp_path):
     (first, params), (second, _) = dump(tmp_path / "a", 1), dump(tmp_path / "b", 2)
     assert first["calls"]["name"] == second["calls"]["name"]
     assert np.array_equal(first["samples"]["positions"], second["samples"]["positions"])
+    assert first["samples"]["positions"].dtype == np.int32  # every tensor here has fewer than 2**31 elements
     assert first["records"]["sample_count"] == second["records"]["sample_count"]
     assert not np.array_equal(first["samples"]["values"], second["samples"]["values"], equal_nan=True)
     counts = np.array(first["records"]["sample_count"])

@@ -48,7 +48,7 @@ class Dump:
     stacks: dict[tuple[int, int], Sequence[str]] = field(default_factory=dict)  # (step, call) -> frames
     # (step, record's `tensor` column) -> array-like with .shape and slicing (h5py dataset, memmap)
     tensor_reader: Callable[[int, str], Any] | None = None
-    # (step) -> (values, positions) float64 / int64 arrays, shape (n_records_of_step, sample_size)
+    # (step) -> (values, positions) float64 / int32-or-int64 arrays, shape (n_records_of_step, sample_size)
     sample_reader: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None
     notes: list[str] = field(default_factory=list)
     close: Callable[[], None] = lambda: None

@@ -21,6 +21,9 @@ def sample_positions(name: str, role: str, arg_index: int, shape: tuple[int, ...
     return np.sort(np.random.default_rng(seed).choice(numel, size=size, replace=False)).astype(np.int64)
 
 
+_INT32_MAX = 2**31 - 1
+
+
 class Sampler:
     """Gathers the sampled elements of captured tensors (CPU ones with the fused kernel, straight
     into a host table, others on their device, both without copying views); positions and memory
@@ -43,7 +46,8 @@ class Sampler:
         if cached is None:
             positions = sample_positions(name, role, arg_index, tuple(tensor.shape), self.size)
             offsets = _memory_offsets(positions, tensor)
-            padded = np.full(self.size, -1, dtype=np.int64)
+            # int32 where every position fits: the file's positions are half the bytes (docs/dump-format.md)
+            padded = np.full(self.size, -1, dtype=np.int32 if tensor.numel() <= _INT32_MAX else np.int64)
             padded[: len(positions)] = positions
             on_device = None if KERNEL.supports(tensor) else torch.from_numpy(offsets).to(tensor.device)
             cached = self._cache[key] = (padded, len(positions), offsets, offsets.ctypes.data, on_device)
@@ -85,7 +89,7 @@ class Sampler:
                 offset += self._counts[r]
         take = np.where(rows >= 0, rows, queued)  # row `queued`: NaN, never written
         values = self._host[take]
-        positions = np.stack([*self._positions, np.full(self.size, -1, dtype=np.int64)])[take]
+        positions = np.stack([*self._positions, np.full(self.size, -1, dtype=np.int32)])[take]  # int64 if any row is
         counts = np.array([*self._counts, 0], dtype=np.int32)[take]
         self._host[: queued + 1] = np.nan
         self._on_device, self._positions, self._counts = {}, [], []
