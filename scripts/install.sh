@@ -22,4 +22,7 @@ if [ "${1:-}" = test ] && ! command -v chromium >/dev/null; then
     # Debian's Chromium for the HTML report's browser test (playwright must not download one).
     (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "install.sh: could not install chromium" >&2
 fi
+# The dump's C++ extension and kernel, built now rather than at the first dumped run (about 15 s;
+# cached under $PI0ALIGN_CACHE, else ~/.cache/pi0align). Without a compiler the dumper falls back.
+.venv/bin/python -c "from pi0align.dump.kernel import KERNEL; KERNEL.load(); print('dump capture:', KERNEL.observer_status)"
 echo "pi0align installed in $(pwd)/.venv"
