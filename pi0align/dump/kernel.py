@@ -5,10 +5,10 @@ row and column sums) and allocates for the conversions; this kernel reads it onc
 in float64, and counts NaN and Inf in a second pass only when the sums say there are any. It is
 plain C++ behind C entry points, built with the system compiler on first use (native.py) into
 one torch extension with `observer.py`, whose entry points take the tensors themselves; where
-that extension cannot be built, the kernel alone is called through ctypes. Calls run at once, or queued for the kernel's own C++ thread, which works
-beside training without the GIL; one tensor, one core. Without a compiler the dumper keeps the
-torch-op path; `KERNEL.status` says which path runs. It also gathers sample mode's elements, for
-the same reasons.
+that extension cannot be built, the kernel alone is called through ctypes. Calls run at once, or
+queued for the kernel's own C++ thread, which works beside training without the GIL; one tensor,
+one core. Without a compiler the dumper keeps the torch-op path; `KERNEL.status` says which path
+runs. It also gathers sample mode's elements, for the same reasons.
 """
 
 from __future__ import annotations
@@ -329,7 +329,8 @@ class Kernel:
     """
 
     def __init__(self) -> None:
-        self._extension = Extension("pi0align_observer", _SOURCE + observer.SOURCE, [*FLAGS, "-pthread", *observer.flags()])
+        self._extension = Extension("pi0align_observer", _SOURCE + observer.SOURCE,
+                                    [*FLAGS, "-pthread", *observer.flags()])
         self._library = Library("stats", _SOURCE, _FUNCTIONS, [*FLAGS, "-pthread"])
         self.status = ""  # "" until loaded, then "fused" or "torch ops: <why>"
         self.observer = None  # the extension (observer.py), once loaded: the kernel taking tensors

@@ -50,14 +50,14 @@ constexpr size_t kMaxNodes = 16;
 PyObject* role_grad_output;
 PyObject* role_grad_input;
 
-struct Slot { uint32_t index; long arg; };
+struct Slot { uint32_t index; long arg; };  // a gradient's index at the node, the call's argument
 
 // Whether a call got `expected` arguments; if not, a TypeError showing the signature is set.
 bool arity(Py_ssize_t nargs, Py_ssize_t expected, const char* signature) {
   if (nargs == expected) return true;
   PyErr_SetString(PyExc_TypeError, signature);
   return false;
-}  // a gradient's index at the node, the call's argument
+}
 
 // A Python object held by a hook, which autograd may free on a thread without the GIL.
 struct PyRef {
@@ -646,7 +646,9 @@ PyObject* columns(PyObject*, PyObject* capsule) {
   std::string text;
   for (size_t i = 0, start = 0; shapes != nullptr && i < r->shape_end.size(); start = r->shape_end[i++]) {
     text = "[";
-    for (size_t d = start; d < (size_t)r->shape_end[i]; ++d) text += (d > start ? ", " : "") + std::to_string(r->dims[d]);
+    for (size_t d = start; d < (size_t)r->shape_end[i]; ++d) {
+      text += (d > start ? ", " : "") + std::to_string(r->dims[d]);
+    }
     text += "]";
     PyList_SET_ITEM(shapes, i, PyUnicode_FromStringAndSize(text.data(), (Py_ssize_t)text.size()));
   }
