@@ -5,11 +5,11 @@ timed against the plain step just before it (a CPU step drifts over a long run; 
 thresholds, set by re-executing this script, steady glibc's allocator). Variants: our Dumper idle
 (started, step not selected), stats, sample and tensor mode at level mix, and stats at level api
 (msprobe's L1 records API calls only). Tensor mode hands the tensors to a writer process and goes
-on (the writer finishes, untimed, before the next timed step); "tensor, until on disk" also waits
-(`Dumper.flush()`) until the step's tensors are written: the cost when steps are dumped back to
-back. msprobe's
-PrecisionDebugger (when installed) at L1 and mix, statistics and tensor, each in its own process
-because it is a process-wide singleton. Also bytes written per dumped step.
+on (the writer finishes, and the OS writes the dirty pages, untimed, before the next timed step);
+"tensor, until on disk" also waits (`Dumper.flush()`) until the step's tensors are written: the
+cost when steps are dumped back to back. msprobe's PrecisionDebugger (when installed) at L1 and
+mix, statistics and tensor, each in its own process because it is a process-wide singleton. Also
+bytes written per dumped step.
 
     .venv/bin/python bench/dump_overhead.py [--preset small] [--rounds 5] [--batch-size 8]
 """
@@ -17,6 +17,7 @@ because it is a process-wide singleton. Also bytes written per dumped step.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -62,7 +63,7 @@ def build(preset: str, batch_size: int, work: Path):
 def alternate(step_plain, variants: dict, rounds: int, settle: dict | None = None) -> dict[str, list[float]]:
     """{variant: [time(variant step) / time(plain step just before)]} over `rounds` rounds.
     `settle[name]`, untimed, runs after the variant's step: work it left behind (a writer process
-    finishing its tensors) must not slow down the steps timed next."""
+    finishing its tensors, the OS writing them to disk) must not slow down the steps timed next."""
     ratios = {name: [] for name in variants}
     settle = settle or {}
     step_plain()  # warm-up
@@ -109,7 +110,12 @@ def bench_ours(args, work: Path) -> list[tuple[str, float, float, int]]:
             counts[name] += 1
 
         variants[name] = run
-    ratios = alternate(step, variants, args.rounds, settle={name: d.flush for name, d in dumpers.items()})
+    def settle(dumper):
+        dumper.flush()
+        os.sync()  # the OS writes the dirty pages now, not during the steps timed next
+
+    settles = {name: functools.partial(settle, dumper) for name, dumper in dumpers.items()}
+    ratios = alternate(step, variants, args.rounds, settle=settles)
     for dumper in dumpers.values():
         dumper.__exit__(None, None, None)
     plain_time = _plain_time(step)
