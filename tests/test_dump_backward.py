@@ -1,5 +1,5 @@
-"""The C++ backward hooks (observer.py, the usual path) record exactly what the Python ones
-(backward.py, the fallback) do, on the awkward cases: an input passed twice, one node with
+"""The C++ hooks and recorder (observer.py, the usual path) record exactly what the Python hooks
+and records (backward.py, steplog.py: the fallback) do, on the awkward cases: an input passed twice, one node with
 several outputs, views, an in-place call on a tensor that requires grad, a leaf input, a
 composite call of many autograd nodes, module inputs and outputs."""
 
@@ -55,11 +55,11 @@ def dump_awkward(folder, level: str, mode: str = "stats") -> dict:
 
 
 @pytest.mark.parametrize(("level", "mode"), [("api", "stats"), ("mix", "stats"), ("mix", "sample"), ("mix", "tensor")])
-def test_compiled_and_python_backward_hooks_record_the_same(tmp_path, monkeypatch, level, mode):
+def test_compiled_and_python_capture_record_the_same(tmp_path, monkeypatch, level, mode):
     compiled = dump_awkward(tmp_path / "compiled", level, mode)
     if mode != "stats":  # the hooks' own tensor work (samples, stored copies) is not captured
         assert compiled["calls"]["name"] == dump_awkward(tmp_path / "stats", level)["calls"]["name"]
-    monkeypatch.setattr(capture, "compiled_hooks", lambda: None)
+    monkeypatch.setattr(capture, "extension", lambda: None)
     python = dump_awkward(tmp_path / "python", level, mode)
     for table in ("calls", "records"):
         assert compiled[table].keys() == python[table].keys()

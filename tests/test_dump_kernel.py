@@ -125,8 +125,8 @@ def test_empty_tensor(kernel):
 def test_without_a_compiler_the_torch_path_runs_and_the_file_says_so(tmp_path, monkeypatch):
     without_compiler(tmp_path, monkeypatch)
     kernel = Kernel()
-    monkeypatch.setattr("pi0align.dump.stats.KERNEL", kernel)
-    monkeypatch.setattr("pi0align.dump.dumper.KERNEL", kernel)
+    for module in ("stats", "dumper", "capture"):
+        monkeypatch.setattr(f"pi0align.dump.{module}.KERNEL", kernel)
     x = torch.tensor([1.0, -2.0, math.nan])
     with Dumper(tmp_path / "dump", steps=[0], level="api") as dumper:
         dumper.start()
@@ -134,7 +134,7 @@ def test_without_a_compiler_the_torch_path_runs_and_the_file_says_so(tmp_path, m
         dumper.step()
     assert kernel.status.startswith("torch ops:") and not kernel.supports(x)
     with h5py.File(dumper.file, "r") as f:
-        assert f.attrs["cpu_stats"] == kernel.status
+        assert f.attrs["cpu_stats"] == kernel.status and f.attrs["observer"].startswith("python: ")
         records = f["steps/000000/records"]
         assert (records["min"][0], records["max"][0], records["nan_count"][0]) == (-2.0, 1.0, 1)
         assert records["checksum"][0] == reference_checksum(x)

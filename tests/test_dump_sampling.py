@@ -65,7 +65,7 @@ def test_torch_op_path_samples_the_same_values_as_the_kernel(tmp_path, monkeypat
     fused, _ = dump(tmp_path / "fused", 1)
     without_compiler(tmp_path, monkeypatch)
     kernel = Kernel()
-    for module in ("stats", "dumper", "sampling"):
+    for module in ("stats", "dumper", "sampling", "capture"):
         monkeypatch.setattr(f"pi0align.dump.{module}.KERNEL", kernel)
     torch_ops, _ = dump(tmp_path / "torch", 1)
     assert kernel.status.startswith("torch ops:")

@@ -21,9 +21,9 @@ _BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad
 _quiet = torch._C.DisableTorchFunction  # the dumper's own tensor work is never captured
 
 
-def compiled_hooks():
-    """The extension (observer.py), whose hooks record gradients in C++, or None where it is not
-    built: backward.py's hooks run."""
+def extension():
+    """The dump's C++ extension (observer.py): its hooks and the step's recorder; None where it is
+    not built, and backward.py's hooks and StepLog's Python records run."""
     KERNEL.load()
     return KERNEL.observer
 
@@ -51,8 +51,8 @@ class Capture:
         self._parameters: list[tuple[str, str, torch.nn.Parameter]] = []  # (name, module, param)
         self._param_rows: dict[int, int] | None = None  # id(param) -> its value record's row, once read
         self._grad_rows: dict[int, int] = {}  # id(param) -> its latest gradient record's row
-        self._compiled = compiled_hooks()
-        hooks = backward if self._compiled is None else self._compiled
+        self.native = extension()
+        hooks = backward if self.native is None else self.native
         self._input_edges, self._watch = hooks.input_edges, hooks.watch
         self._watch_tensor_grads = hooks.watch_tensor_grads
 
@@ -251,8 +251,8 @@ class Capture:
 
     def _grad_sink(self, forward_id: int, name: str):
         """Where the gradients of one forward call go; its backward row opens when the first arrives."""
-        if self._compiled is not None:
-            return self._compiled.backward_call(self.log.recorder, name, self.log.open_backward, forward_id)
+        if self.native is not None:
+            return self.native.backward_call(self.log.recorder, name, self.log.open_backward, forward_id)
         return backward.sink(self.log, name, forward_id)
 
     def _grad_hook(self, name: str):

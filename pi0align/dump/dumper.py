@@ -195,7 +195,8 @@ class Dumper:
             if self._tensors is not None:
                 self._tensors_file = self._tensors.begin_step(self._step)
                 sink = self._tensors.put
-            log = StepLog(self._step, self._weights, self._sampler, sink, self._worker, self._queued)
+            log = StepLog(self._step, self._weights, self._sampler, sink, self._worker, self._queued,
+                          self._capture.native)
             self._capture.begin_step(log)
 
     def _uninstall(self) -> None:

@@ -11,7 +11,6 @@ from fnmatch import fnmatchcase
 import numpy as np
 import torch
 
-from pi0align.dump.kernel import KERNEL
 from pi0align.dump.sampling import Sampler
 from pi0align.dump.stats import ChecksumWeights, StatsBatch, StatsWorker, skip_reason
 
@@ -86,6 +85,7 @@ class StepLog:
     tensor_sink: object | None  # callable(torch.Tensor) -> str, or None
     worker: StatsWorker | None = None
     queued: bool = False  # CPU statistics on the fused kernel's thread
+    native: object = None  # the extension (observer.py) whose recorder keeps the records, or None
     calls: list[tuple] = field(default_factory=list)
     records: list[list] = field(default_factory=list)  # Python path: RECORD_COLUMNS + [slot, sample row]
     seen: dict[tuple, _Seen] = field(default_factory=dict)  # Python path: _elements_key -> what to reuse
@@ -94,13 +94,12 @@ class StepLog:
 
     def __post_init__(self) -> None:
         self.stats = StatsBatch(self.weights, self.worker, self.queued)
-        self._native = KERNEL.observer if KERNEL.load() == "fused" else None
         self._recorder = None
         self.open_backward = self.open_backward  # one bound method for every hook of the step
-        if self._native is not None:
-            _describe_records(self._native)
-            self._recorder = self._native.recorder(self.queued, self.stats.compute, self.tensor_sink,
-                                                   self.sampler.add if self.sampler is not None else None)
+        if self.native is not None:
+            _describe_records(self.native)
+            self._recorder = self.native.recorder(self.queued, self.stats.compute, self.tensor_sink,
+                                                  self.sampler.add if self.sampler is not None else None)
 
     @property
     def recorder(self):
@@ -111,7 +110,7 @@ class StepLog:
         """The step has ended: gradients arriving later (a graph kept past it) are not recorded."""
         self.closed = True
         if self._recorder is not None:
-            self._native.close(self._recorder)
+            self.native.close(self._recorder)
 
     def open_call(self, name: str, module: str, api: str, direction: str, stack_id: int, args: str) -> int:
         self.calls.append((len(self.calls), name, module, api, direction, stack_id, args))
@@ -124,7 +123,7 @@ class StepLog:
 
     def add_tensors(self, call_id: int, name: str, role: str, tensors: list[torch.Tensor]) -> None:
         if self._recorder is not None:
-            self._native.record(self._recorder, call_id, name, role, 0, tensors)
+            self.native.record(self._recorder, call_id, name, role, 0, tensors)
             return
         for arg_index, tensor in enumerate(tensors):
             self.add_tensor(call_id, name, role, arg_index, tensor)
@@ -134,7 +133,7 @@ class StepLog:
         output of one call read by the next, a parameter read by many), borrows its statistics and
         stored copy."""
         if self._recorder is not None:
-            return self._native.record(self._recorder, call_id, name, role, arg_index, [tensor])
+            return self.native.record(self._recorder, call_id, name, role, arg_index, [tensor])
         skipped = skip_reason(tensor)
         shape = tuple(tensor.shape)
         slot, sample_row, path = -1, -1, ""
@@ -160,7 +159,7 @@ class StepLog:
     def set_call(self, row: int, call_id: int) -> None:
         """Give a record its call (parameters get their call row at the step's end); -1 drops it."""
         if self._recorder is not None:
-            self._native.set_call(self._recorder, row, call_id)
+            self.native.set_call(self._recorder, row, call_id)
         else:
             self.records[row][0] = call_id
 
@@ -179,7 +178,7 @@ class StepLog:
         order = np.lexsort((columns["arg_index"], roles, columns["call_id"]))
         records = {c: columns[c][order] for c in RECORD_COLUMNS}
         self.stats.drain()
-        floats, ints = self.stats.collect(self._native.statistics(self._recorder) if self._recorder else None)
+        floats, ints = self.stats.collect(self.native.statistics(self._recorder) if self._recorder else None)
         slots = columns["slot"][order]
         has = slots >= 0
         for j, column in enumerate(("min", "max", "mean", "norm")):
@@ -196,7 +195,7 @@ class StepLog:
     def _record_columns(self) -> dict[str, np.ndarray]:
         """RECORD_COLUMNS plus slot and sample_row, dropped records included."""
         if self._recorder is not None:
-            call_id, arg_index, numel, slot, sample_row, *texts = self._native.columns(self._recorder)
+            call_id, arg_index, numel, slot, sample_row, *texts = self.native.columns(self._recorder)
             columns = {"call_id": np.frombuffer(call_id, np.int64), "arg_index": np.frombuffer(arg_index, np.int32),
                        "numel": np.frombuffer(numel, np.int64), "slot": np.frombuffer(slot, np.int64),
                        "sample_row": np.frombuffer(sample_row, np.int64)}
