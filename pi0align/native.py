@@ -26,57 +26,67 @@ from pi0align.pi0.cache import cache_root
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
 
 
-class Library:
-    """A kernel library, built or found by the first `load()` of the process. `functions` names its
-    C entry points (all returning void) with their ctypes argument types."""
-
-    def __init__(self, name: str, source: str, functions: dict[str, list], flags: list[str] = FLAGS) -> None:
-        self._name, self._source, self._signatures, self._flags = name, source, functions, flags
-        self._lock = threading.Lock()
-        self._loaded = False
-        self.functions: dict[str, ctypes._CFuncPtr] = {}
-        self.error = ""  # why it could not be built, in one line
-
-    def load(self) -> bool:
-        """Whether the library runs in this process."""
-        with self._lock:
-            if not self._loaded:
-                self._loaded = True
-                try:
-                    library = ctypes.CDLL(str(_compiled(self._name, self._source, self._flags)))
-                except (OSError, subprocess.SubprocessError) as error:
-                    self.error = _one_line(error)
-                else:
-                    for name, argtypes in self._signatures.items():
-                        function = self.functions[name] = getattr(library, name)
-                        function.restype, function.argtypes = None, argtypes
-        return not self.error
-
-
-class Extension:
-    """A Python extension module (`PyInit_<name>` in `source`), built or found by the first
-    `load()` of the process; `module` is None, and `error` says why, when it cannot be."""
+class _Built:
+    """Source compiled once per process, on the first `load()`; `error` says why it could not be."""
 
     def __init__(self, name: str, source: str, flags: list[str]) -> None:
         self._name, self._source, self._flags = name, source, flags
         self._lock = threading.Lock()
         self._loaded = False
-        self.module = None
-        self.error = ""
+        self.error = ""  # why it could not be built, in one line
 
-    def load(self):
-        """The module, or None."""
+    def _build(self) -> None:
         with self._lock:
             if not self._loaded:
                 self._loaded = True
                 try:
-                    path = _compiled(self._name, self._source, self._flags)
-                    spec = importlib.util.spec_from_file_location(self._name, path)
-                    self.module = importlib.util.module_from_spec(spec)
-                    spec.loader.exec_module(self.module)
+                    self._open(_compiled(self._name, self._source, self._flags))
                 except (OSError, ImportError, subprocess.SubprocessError) as error:
-                    self.module, self.error = None, _one_line(error)
+                    self.error = _one_line(error)
+
+    def _open(self, path: Path) -> None:
+        raise NotImplementedError
+
+
+class Library(_Built):
+    """A kernel library loaded with ctypes. `functions` names its C entry points (all returning
+    void) with their ctypes argument types."""
+
+    def __init__(self, name: str, source: str, functions: dict[str, list], flags: list[str] = FLAGS) -> None:
+        super().__init__(name, source, flags)
+        self._signatures = functions
+        self.functions: dict[str, ctypes._CFuncPtr] = {}
+
+    def load(self) -> bool:
+        """Whether the library runs in this process."""
+        self._build()
+        return not self.error
+
+    def _open(self, path: Path) -> None:
+        library = ctypes.CDLL(str(path))
+        for name, argtypes in self._signatures.items():
+            function = self.functions[name] = getattr(library, name)
+            function.restype, function.argtypes = None, argtypes
+
+
+class Extension(_Built):
+    """A Python extension module (`PyInit_<name>` in `source`); `module` is None when it cannot be
+    built."""
+
+    def __init__(self, name: str, source: str, flags: list[str]) -> None:
+        super().__init__(name, source, flags)
+        self.module = None
+
+    def load(self):
+        """The module, or None."""
+        self._build()
         return self.module
+
+    def _open(self, path: Path) -> None:
+        spec = importlib.util.spec_from_file_location(self._name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        self.module = module
 
 
 def _one_line(error: Exception) -> str:

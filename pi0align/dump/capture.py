@@ -11,8 +11,8 @@ from torch.overrides import TorchFunctionMode
 
 from pi0align.dump import backward
 from pi0align.dump.arguments import describe_arguments, flatten_tensors
-from pi0align.dump.naming import ApiNames, Namer, is_inplace
 from pi0align.dump.kernel import KERNEL
+from pi0align.dump.naming import ApiNames, Namer, is_inplace
 from pi0align.dump.stacks import Stacks
 from pi0align.dump.steplog import Filter, StepLog
 
@@ -134,6 +134,7 @@ class Capture:
 
     def begin_step(self, log: StepLog) -> None:
         self.log = log
+        self._open_backward = log.open_backward  # one bound method for every hook of the step
         self.after_backward = False
         self.namer.reset()
         self._param_rows = None
@@ -252,7 +253,7 @@ class Capture:
     def _grad_sink(self, forward_id: int, name: str):
         """Where the gradients of one forward call go; its backward row opens when the first arrives."""
         if self.native is not None:
-            return self.native.backward_call(self.log.recorder, name, self.log.open_backward, forward_id)
+            return self.native.backward_call(self.log.recorder, name, self._open_backward, forward_id)
         return backward.sink(self.log, name, forward_id)
 
     def _grad_hook(self, name: str):

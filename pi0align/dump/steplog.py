@@ -95,7 +95,6 @@ class StepLog:
     def __post_init__(self) -> None:
         self.stats = StatsBatch(self.weights, self.worker, self.queued)
         self._recorder = None
-        self.open_backward = self.open_backward  # one bound method for every hook of the step
         if self.native is not None:
             _describe_records(self.native)
             self._recorder = self.native.recorder(self.queued, self.stats.compute, self.tensor_sink,
