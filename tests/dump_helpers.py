@@ -49,6 +49,7 @@ def train_steps(net: Net, inputs: list[torch.Tensor], dumper=None, lr: float = 0
             dumper.step()
     if dumper is not None:
         dumper.stop()
+        dumper.flush()  # the writer process has written every step
     return results
 
 

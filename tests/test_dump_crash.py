@@ -46,11 +46,10 @@ def test_sigkill_during_a_dumped_step_leaves_every_earlier_step(tmp_path, mode):
         child.send_signal(signal.SIGKILL)
         child.wait()
     assert child.returncode == -signal.SIGKILL
-    if mode == "tensor":  # the writer process outlives the run, finishing the steps queued before the kill
-        tensors = tmp_path / "dump" / "dump.h5.tensors"
-        deadline = time.monotonic() + 60
-        while not all((tensors / f"{s:06d}.h5").exists() for s in range(3)) and time.monotonic() < deadline:
-            time.sleep(0.1)
+    # The writer process outlives the run, finishing the steps handed to it before the kill.
+    deadline = time.monotonic() + 60
+    while not _holds_steps(tmp_path / "dump", 3) and time.monotonic() < deadline:
+        time.sleep(0.1)
     with h5py.File(tmp_path / "dump" / "dump.h5", "r") as f:
         steps = sorted(f["steps"])
         assert steps[:3] == ["000000", "000001", "000002"]
@@ -61,3 +60,16 @@ def test_sigkill_during_a_dumped_step_leaves_every_earlier_step(tmp_path, mode):
             if mode == "tensor":
                 assert group["tensors/0"].size > 0
         assert list(f["metrics/step"][:3]) == [0, 1, 2]
+
+
+def _holds_steps(folder, count: int) -> bool:
+    """Whether the dump file (and, in tensor mode, the tensor files) hold the first `count` steps;
+    False while the writer process has the file open."""
+    tensors = folder / "dump.h5.tensors"
+    if tensors.exists() and not all((tensors / f"{s:06d}.h5").exists() for s in range(count)):
+        return False
+    try:
+        with h5py.File(folder / "dump.h5", "r") as f:
+            return all(f"{s:06d}" in f["steps"] for s in range(count)) and len(f["metrics/step"]) >= count
+    except (OSError, KeyError):
+        return False

@@ -40,7 +40,8 @@ def test_bad_options_are_one_clear_error(tmp_path, kwargs, fragment):
 
 
 FULL_DISK = """
-import resource, signal, sys
+import os, resource, signal, sys
+from pathlib import Path
 import torch
 sys.path.insert(0, "tests")
 from dump_helpers import Net, train_steps
@@ -59,8 +60,18 @@ optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
 dumper = Dumper(sys.argv[1], steps=[0], level="mix", mode=sys.argv[2])
 dumper.start(net)
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG: a full disk
-resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+children = [int(pid) for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()]
+for pid in [os.getpid(), *children]:  # the writer process too
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (4096, 4096))
 results = []
+
+
+def report(error):
+    print("error:", error)
+    assert not torch._C._is_torch_function_mode_enabled()
+    assert all("forward" not in m.__dict__ for m in net.modules())
+
+
 for step, x in enumerate(inputs):
     loss = net(x).square().mean()
     loss.backward()
@@ -71,9 +82,11 @@ for step, x in enumerate(inputs):
     try:
         dumper.step()
     except UserError as error:
-        print("error:", error)
-        assert not torch._C._is_torch_function_mode_enabled()
-        assert all("forward" not in m.__dict__ for m in net.modules())
+        report(error)
+try:
+    dumper.close()  # the failure surfaces at the step after it, or here
+except UserError as error:
+    report(error)
 assert results == reference, (results, reference)
 print("training unchanged", flush=True)
 """

@@ -233,10 +233,32 @@ def test_msprobe_style_start_stop_around_each_step(tmp_path):
         net(x).sum().backward()
         dumper.stop()
         dumper.step()
+    dumper.close()  # the writer process has written both steps
     for step in (0, 1):
         calls = read_step(tmp_path / "dump.h5", step)["calls"]
         assert calls["name"][:2] == ["block.proj/Functional.linear#0", "block/Torch.tanh#0"]
         assert calls["direction"].count("backward") == 6
+
+
+def test_gradient_accumulation_records_every_micro_batch_and_nothing_after_each_backward(tmp_path):
+    torch.manual_seed(1)
+    net = Net()
+    backward = torch.Tensor.backward
+    with Dumper(tmp_path, steps=[0], level="api") as dumper:
+        dumper.start(net)
+        for _ in range(2):
+            net(torch.randn(3, 4)).sum().backward()
+            assert not torch._C._is_torch_function_mode_enabled()  # left until the model's next forward
+            torch.ones(2).mul(3)  # not the model's: not recorded
+        dumper.step()
+    assert torch.Tensor.backward is backward
+    calls = read_step(tmp_path / "dump.h5", 0)["calls"]
+    forward = [name for name, direction in zip(calls["name"], calls["direction"]) if direction == "forward"]
+    block, head = "block.proj/Functional.linear#", "head/Functional.linear#"
+    assert [name for name in forward if "linear" in name] == [block + "0", block + "1", head + "0",
+                                                              block + "2", block + "3", head + "1"]
+    assert "Tensor.mul" not in calls["api"]
+    assert calls["name"].count("block.proj.weight/Parameter#0") == 1
 
 
 def test_optimizer_and_clipping_after_backward_are_not_recorded(dumped):

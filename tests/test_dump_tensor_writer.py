@@ -1,5 +1,5 @@
-"""The tensor writer process: tensors handed over through the shared ring come back exact, when
-the ring wraps and fills (the training side waits) and when a tensor is larger than the ring."""
+"""The writer process: tensors and steps handed over through the shared ring come back exact, when
+the ring wraps and fills (the training side waits) and when one is larger than the ring."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pi0align import Dumper
-from pi0align.dump.writer import TensorWriter
+from pi0align.dump.file_format import CALL_TYPES, RECORD_TYPES, StepTables
+from pi0align.dump.writer import DumpWriter
 
 
 @pytest.mark.timeout(120)  # a ring that never frees would hang
@@ -18,11 +19,11 @@ def test_ring_wraps_fills_and_passes_tensors_larger_than_itself(tmp_path):
     generator = torch.Generator().manual_seed(0)
     tensors = [torch.randn(n, generator=generator) for n in (40_000, 70_000, 10, 300_000, 50_000, 90_000)]
     tensors.append(torch.randn(300, 200, generator=generator).to(torch.bfloat16).t())  # a view, 2-byte dtype
-    writer = TensorWriter(tmp_path / "dump.h5", ring_bytes=1 << 18)  # 256 KiB: the 300k tensor does not fit
+    writer = DumpWriter(tmp_path / "dump.h5", {}, {}, tensors=True, ring_bytes=1 << 18)  # the 300k tensor does not fit
     for step in range(2):
         writer.begin_step(step)
         paths = [writer.put(t * (step + 1)) for t in tensors]
-        writer.end_step()
+        writer.end_step(None, [], [], None)
     writer.close()
     with h5py.File(tmp_path / "dump.h5.tensors" / "000001.h5", "r") as f:
         for path, tensor in zip(paths, tensors):
@@ -34,6 +35,42 @@ def test_ring_wraps_fills_and_passes_tensors_larger_than_itself(tmp_path):
                 expected = expected.numpy()
             assert stored.attrs["dtype"] == str(tensor.dtype).removeprefix("torch.")
             assert np.array_equal(stored[()], expected)
+
+
+def _tables(step: int, rows: int, sample_size: int) -> StepTables:
+    generator = np.random.default_rng(step)
+
+    def column(dtype, name):
+        if dtype is CALL_TYPES["name"]:  # a str column
+            return np.array([f"{name} {step} {i}" for i in range(rows)], dtype=object)
+        return generator.integers(-9, 9, rows).astype(dtype) if np.dtype(dtype).kind == "i" else generator.random(rows)
+
+    return StepTables(step, {c: column(t, c) for c, t in CALL_TYPES.items()},
+                      {c: column(t, c) for c, t in RECORD_TYPES.items()},
+                      (generator.random((rows, sample_size)), generator.integers(0, 99, (rows, sample_size), np.int32)))
+
+
+@pytest.mark.timeout(120)
+def test_steps_handed_over_through_a_small_ring_come_back_exact(tmp_path):
+    """Steps go through the ring (it wraps and fills over the steps), or through the pipe when
+    they would take over half of it."""
+    writer = DumpWriter(tmp_path / "dump.h5", {}, {}, ring_bytes=1 << 16)
+    steps = [_tables(step, rows=100, sample_size=4 if step % 3 else 64) for step in range(8)]
+    for tables in steps:
+        writer.end_step(tables, [(tables.step, f"frames {tables.step}")], [(tables.step, 1.0, 2.0, 3.0)], None)
+    writer.close()
+    with h5py.File(tmp_path / "dump.h5", "r") as f:
+        assert list(f["stacks/frames"].asstr()) == [f"frames {s}" for s in range(8)]
+        for tables in steps:
+            group = f[f"steps/{tables.step:06d}"]
+            assert group.attrs["complete"] and group.attrs["loss"] == 1.0
+            for table, columns in (("calls", tables.calls), ("records", tables.records)):
+                for name, values in columns.items():
+                    stored = group[table][name]
+                    stored = stored.asstr()[()] if h5py.check_string_dtype(stored.dtype) else stored[()]
+                    assert np.array_equal(stored, values), (tables.step, table, name)
+            assert np.array_equal(group["samples/values"][()], tables.samples[0])
+            assert np.array_equal(group["samples/positions"][()], tables.samples[1])
 
 
 def test_flush_waits_until_the_step_tensors_are_on_disk(tmp_path):
@@ -50,10 +87,10 @@ def test_close_frees_the_ring_and_ends_the_answers_thread_before_returning(tmp_p
     """Otherwise the ring's last reference can fall to the answers thread while the interpreter
     exits, and freeing the torch.frombuffer tensor there aborts the process (seen: exit code 134,
     "terminate called without an active exception")."""
-    writer = TensorWriter(tmp_path / "dump.h5", ring_bytes=1 << 16)
+    writer = DumpWriter(tmp_path / "dump.h5", {}, {}, tensors=True, ring_bytes=1 << 16)
     writer.begin_step(0)
     writer.put(torch.ones(100))
-    writer.end_step()
+    writer.end_step(None, [], [], None)
     writer.close()
     assert writer._ring.closed and writer._ring_tensor is None
     assert not writer._answers.is_alive()

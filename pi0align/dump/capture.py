@@ -39,6 +39,8 @@ class Capture:
         self.stacks = Stacks()
         self.log: StepLog | None = None
         self._mode: _ApiMode | None = None
+        self._mode_paused = False  # left by Tensor.backward, entered again at the next forward
+        self._backward: tuple | None = None  # (Tensor.backward before, the wrapper in its place)
         self._handles: list = []
         self._wrapped: list[tuple[torch.nn.Module, object]] = []  # (module, its own forward before, or None)
         self._npu_patches: list[tuple[object, str, object]] = []  # (torch_npu, attribute, original)
@@ -72,6 +74,7 @@ class Capture:
             self._patch_npu()
             self._mode = _ApiMode(self)
             self._mode.__enter__()
+            self._patch_backward()
 
     def _patch_npu(self) -> None:
         """torch_npu's fused ops (`torch_npu.npu_*`) bypass `__torch_function__`: wrap them."""
@@ -92,10 +95,50 @@ class Capture:
 
         return call
 
+    def _patch_backward(self) -> None:
+        """`Tensor.backward` leaves the mode while it runs and until the model's next forward: the
+        calls in between (clipping, the optimizer) are not recorded, and so need not pass through
+        the mode, whose cost they would pay each."""
+        original = torch.Tensor.backward
+
+        @functools.wraps(original)
+        def backward(tensor, *args, **kwargs):
+            if self.log is None or torch.overrides._get_current_function_mode() is not self._mode:
+                return original(tensor, *args, **kwargs)  # through the mode, if under another one
+            self._mode.__exit__(None, None, None)
+            self._mode_paused = True
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                self.backward_done()
+
+        torch.Tensor.backward = backward
+        self._backward = (original, backward)
+
+    def is_backward(self, func) -> bool:
+        return func in _BACKWARD or (self._backward is not None and func is self._backward[1])
+
+    def backward_done(self) -> None:
+        """Nothing is recorded from here until the model's next forward (gradient accumulation) or
+        the next step."""
+        self.after_backward = True
+        self.log.stats.drain()  # clipping and the optimizer change gradients in place next
+
+    def _resume(self) -> None:
+        """Record again: a forward begins."""
+        self.after_backward = False
+        if self._mode_paused:
+            self._mode.__enter__()
+            self._mode_paused = False
+
     def remove(self) -> None:
         if self._mode is not None:
-            self._mode.__exit__(None, None, None)
-            self._mode = None
+            if not self._mode_paused:
+                self._mode.__exit__(None, None, None)
+            self._mode, self._mode_paused = None, False
+        if self._backward is not None:
+            torch.Tensor.backward = self._backward[0]
+            self._backward = None
         for handle in self._handles:
             handle.remove()
         for module, previous in self._wrapped:
@@ -135,7 +178,7 @@ class Capture:
     def begin_step(self, log: StepLog) -> None:
         self.log = log
         self._open_backward = log.open_backward  # one bound method for every hook of the step
-        self.after_backward = False
+        self._resume()
         self.namer.reset()
         self._param_rows = None
         self._grad_rows = {}
@@ -223,7 +266,7 @@ class Capture:
 
     def _enter_module(self, path: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         self._module_paths.append(path)
-        self.after_backward = False
+        self._resume()
         opened = None
         if self.log is not None and self.level != "api":
             with _quiet():
@@ -285,9 +328,8 @@ class _ApiMode(TorchFunctionMode):
         api = capture.api_names(func)
         if api is None or capture.log is None or capture.after_backward:
             return func(*args, **kwargs)
-        if func in _BACKWARD:
+        if capture.is_backward(func):
             result = func(*args, **kwargs)
-            capture.after_backward = True
-            capture.log.stats.drain()  # clipping and the optimizer change gradients in place next
+            capture.backward_done()
             return result
         return capture.api_call(func, api, args, kwargs)

@@ -17,7 +17,8 @@ from pi0align.dump.manifest import build_manifest
 from pi0align.dump.sampling import Sampler
 from pi0align.dump.stats import ChecksumWeights, StatsWorker
 from pi0align.dump.steplog import Filter, StepLog
-from pi0align.dump.writer import WRITE_ERRORS, DumpFile, TensorWriter
+from pi0align.dump.file_format import WRITE_ERRORS
+from pi0align.dump.writer import DumpWriter
 from pi0align.errors import UserError
 
 MODES = ("stats", "sample", "tensor")
@@ -63,9 +64,8 @@ class Dumper:
         self._compress = compress
         self._step = 0
         self._model: torch.nn.Module | None = None
-        self._file: DumpFile | None = None
-        self._tensors: TensorWriter | None = None
-        self._tensors_file: str | None = None
+        self._writer: DumpWriter | None = None
+        self._tensors_file: str | None = None  # this step's tensor file (tensor mode)
         self._capture: Capture | None = None
         self._weights = ChecksumWeights()
         # CPU statistics and samples off the training thread only where every in-place call is
@@ -107,12 +107,12 @@ class Dumper:
             self._manifest = {**(self._manifest or {}), **manifest}
         if step is not None:
             self._step = int(step)
-        if self._file is None:
+        if self._writer is None:
             self._rank, self._world_size = _rank_and_world_size()
         if not self.enabled:
             return self
         self._model = model if model is not None else self._model
-        if self._file is None:
+        if self._writer is None:
             self._open_file()
         self._started = True
         self._follow_selection()
@@ -126,20 +126,32 @@ class Dumper:
             self._follow_selection()
 
     def stop(self) -> None:
-        """Remove every hook, write what the current step captured so far and pending metrics."""
+        """Remove every hook; hand what the current step captured so far, and pending metrics, to
+        the writer process."""
         self._started = False
         self._end_step()
         self._uninstall()
-        if self._metrics and self._file is not None:
+        if self._metrics and self._writer is not None:
             with self._write_errors():
                 self._write(None)
 
     def flush(self) -> None:
-        """Wait until every full tensor captured so far (tensor mode) is on disk; the other modes
-        write each step when it ends."""
-        if self._tensors is not None:
+        """Wait until everything captured so far is in the dump file (and its tensor files)."""
+        if self._writer is not None:
             with self._write_errors():
-                self._tensors.flush()
+                self._writer.flush()
+
+    def close(self) -> None:
+        """`stop()`, then wait until everything is written and end the dumper's threads and writer
+        process: the dump is complete. A process that exits without it waits at exit."""
+        self.stop()
+        if self._writer is not None:
+            writer, self._writer = self._writer, None
+            with self._write_errors():
+                writer.close()
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
 
     def record_metrics(self, step: int, loss: float, grad_norm: float | None = None, lr: float | None = None) -> None:
         """Log one training step's loss, gradient norm and learning rate (dumped step or not);
@@ -151,16 +163,7 @@ class Dumper:
         return self
 
     def __exit__(self, *exc) -> None:
-        """`stop()`, then wait until every tensor is written and end the dumper's threads and
-        writer process: the dumper is done."""
-        self.stop()
-        if self._tensors is not None:
-            tensors, self._tensors = self._tensors, None
-            with self._write_errors():
-                tensors.close()
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
+        self.close()
 
     # ---- internals -----------------------------------------------------------------------------
 
@@ -172,9 +175,7 @@ class Dumper:
         }
         manifest = build_manifest(self._model, self._rank, self._world_size, self._manifest)
         try:
-            self._file = DumpFile(self.file, attrs, manifest)
-            if self.mode == "tensor":
-                self._tensors = TensorWriter(self.file, compress=self._compress)
+            self._writer = DumpWriter(self.file, attrs, manifest, tensors=self.mode == "tensor", compress=self._compress)
         except WRITE_ERRORS as error:
             raise UserError(f"cannot write the dump file {self.file}: {_reason(error)}") from None
 
@@ -192,9 +193,9 @@ class Dumper:
             self._capture.install(self._model)
         if self._capture.log is None:
             sink = None
-            if self._tensors is not None:
-                self._tensors_file = self._tensors.begin_step(self._step)
-                sink = self._tensors.put
+            if self.mode == "tensor":
+                self._tensors_file = self._writer.begin_step(self._step)
+                sink = self._writer.put
             log = StepLog(self._step, self._weights, self._sampler, sink, self._worker, self._queued,
                           self._capture.native)
             self._capture.begin_step(log)
@@ -204,15 +205,12 @@ class Dumper:
             self._capture.remove()
 
     def _end_step(self) -> None:
-        """Write the current step if it captured anything; the file is closed again afterwards."""
+        """Hand the current step to the writer process (its tables if it captured anything)."""
         if self._capture is None or self._capture.log is None:
             return
         log = self._capture.end_step()
         with self._write_errors():
-            if self._tensors is not None:
-                self._tensors.end_step()
-            if log is not None:
-                self._write(log)
+            self._write(log)
 
     @contextlib.contextmanager
     def _write_errors(self):
@@ -229,8 +227,8 @@ class Dumper:
             tables = log.finish() if log is not None else None
         stacks = self._capture.stacks.take_new() if self._capture is not None else []
         metrics, self._metrics = self._metrics, []
-        tensors_file = self._tensors_file if tables is not None and self._tensors is not None else None
-        self._file.write(tables, stacks, metrics, tensors_file)
+        tensors_file, self._tensors_file = self._tensors_file, None
+        self._writer.end_step(tables, stacks, metrics, tensors_file if tables is not None else None)
 
 
 def _rank_and_world_size() -> tuple[int, int]:

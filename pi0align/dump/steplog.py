@@ -11,22 +11,13 @@ from fnmatch import fnmatchcase
 import numpy as np
 import torch
 
+from pi0align.dump.file_format import StepTables
 from pi0align.dump.sampling import Sampler
 from pi0align.dump.stats import ChecksumWeights, StatsBatch, StatsWorker, skip_reason
 
 CALL_COLUMNS = ("seq", "name", "module", "api", "direction", "stack_id", "args")
 _ROLE_ORDER = {"input": 0, "output": 1, "grad_output": 2, "grad_input": 3, "parameter": 4, "parameter_grad": 5}
 RECORD_COLUMNS = ("call_id", "role", "arg_index", "dtype", "shape", "numel", "tensor", "skipped")
-
-
-@dataclass
-class StepTables:
-    """A finished step, host-side, in the column names of docs/dump-format.md."""
-
-    step: int
-    calls: dict[str, np.ndarray]
-    records: dict[str, np.ndarray]
-    samples: tuple[np.ndarray, np.ndarray] | None  # (values, positions) in sample mode
 
 
 @dataclass

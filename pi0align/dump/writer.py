@@ -1,15 +1,16 @@
-"""The dump file (docs/dump-format.md): opened, written and closed at each step's end, so that
-between steps the file on disk is complete and closed, and a killed run leaves it readable.
-
-Full tensors (tensor mode) are written by a separate process into a side file per step, linked
-into the step's group at the end (HDF5 external link): the main file is never open while they
-are written, and the step does not wait for them.
+"""The dump file of one rank (docs/dump-format.md), written by a separate process
+(writer_process.py): the training thread hands each dumped step over, its numeric columns copied
+into a shared ring buffer, and goes on while that process appends it to the file, so neither HDF5
+(which holds the GIL) nor the disk competes with the training. In tensor mode the same process
+writes the full tensors into a side file per step, linked into the step's group (HDF5 external
+link). Between two appends the file on disk is complete and closed; a killed training process
+leaves the writer to finish what it was handed.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
-import json
 import mmap
 import os
 import pickle
@@ -18,166 +19,41 @@ import sys
 import threading
 from pathlib import Path
 
-import h5py
 import numpy as np
-from h5py import h5d, h5s, h5t
 import torch
 
-from pi0align.dump import tensor_store
-from pi0align.dump.steplog import StepTables
-from pi0align.dump.tensor_store import ensure_room
+from pi0align.dump import file_format
+from pi0align.dump.file_format import StepTables
 
-FORMAT = "pi0align-dump"
-VERSION = 1
-
-_STR = h5py.string_dtype("utf-8")
-CALL_TYPES = {
-    "call_id": np.int32, "seq": np.int64, "name": _STR, "module": _STR, "api": _STR,
-    "direction": _STR, "stack_id": np.int32, "args": _STR,
-}
-RECORD_TYPES = {
-    "call_id": np.int32, "role": _STR, "arg_index": np.int32, "dtype": _STR, "shape": _STR,
-    "numel": np.int64, "min": np.float64, "max": np.float64, "mean": np.float64, "norm": np.float64,
-    "nan_count": np.int64, "inf_count": np.int64, "checksum": np.int64, "sample_count": np.int32,
-    "tensor": _STR, "skipped": _STR,
-}
-METRIC_TYPES = {"step": np.int64, "loss": np.float64, "grad_norm": np.float64, "lr": np.float64}
+TENSOR_RING_BYTES = 1 << 30  # tensors in flight to the writer process; a full ring makes the training wait
+STEP_RING_BYTES = 1 << 26  # the steps' numeric columns in flight (stats and sample modes)
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # where the writer process finds pi0align
 
 
-def step_group(step: int) -> str:
-    return f"steps/{step:06d}"
+class DumpWriter:
+    """Creates the dump file `path` (here, so that an unwritable path fails at once), then hands
+    its appends and, with `tensors`, the full tensors of each step (into
+    `<dump>.tensors/<step>.h5`) to the writer process. The training thread waits only when the
+    ring is full; `flush()` waits until everything handed over is on disk, `close()` also ends the
+    process. A failure in the process is raised by the next call that hands something over."""
 
-
-class DumpFile:
-    """One rank's dump file. Every method opens the file, writes, flushes and closes it."""
-
-    def __init__(self, path: Path, attrs: dict, manifest: dict) -> None:
+    def __init__(self, path: Path, attrs: dict, manifest: dict, tensors: bool = False, compress: bool = True,
+                 ring_bytes: int | None = None) -> None:
+        file_format.create(path, attrs, manifest)
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with h5py.File(path, "w") as f:
-            f.attrs.update({"format": FORMAT, "version": VERSION, **attrs})
-            f.create_dataset("manifest", data=json.dumps(manifest, default=repr), dtype=_STR)
-            for column, dtype in METRIC_TYPES.items():
-                f.create_dataset(f"metrics/{column}", shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
-            f.create_dataset("stacks/stack_id", shape=(0,), maxshape=(None,), dtype=np.int32, chunks=(256,))
-            f.create_dataset("stacks/frames", shape=(0,), maxshape=(None,), dtype=_STR, chunks=(256,))
-
-    def write(self, tables: StepTables | None, stacks: list[tuple[int, str]], metrics: list[tuple],
-              tensors_file: str | None) -> None:
-        """Append new stacks and metric rows and, when given, one complete step."""
-        with h5py.File(self.path, "a") as f:
-            ensure_room(f, _bytes_needed(tables, stacks, metrics))
-            if stacks:
-                _append(f["stacks/stack_id"], [s for s, _ in stacks])
-                _append(f["stacks/frames"], [frames for _, frames in stacks])
-            if metrics:
-                for j, column in enumerate(METRIC_TYPES):
-                    _append(f[f"metrics/{column}"], [row[j] for row in metrics])
-            if tables is not None:
-                _write_step(f, tables, tensors_file)
-            for step, loss, grad_norm, lr in metrics:
-                group = f.get(step_group(step))
-                if group is not None:
-                    group.attrs.update({"loss": loss, "grad_norm": grad_norm, "lr": lr})
-            f.flush()
-
-
-def _bytes_needed(tables: StepTables | None, stacks: list[tuple[int, str]], metrics: list[tuple]) -> int:
-    """A generous bound on what one `DumpFile.write` adds to the file (HDF5's own overhead included)."""
-    raw = sum(len(frames) + 64 for _, frames in stacks) + 64 * len(metrics)
-    if tables is not None:
-        raw += sum(_column_bytes(v) for columns in (tables.calls, tables.records) for v in columns.values())
-        raw += sum(a.nbytes for a in tables.samples or ())
-    return 2 * raw + (1 << 20)
-
-
-def _column_bytes(values: np.ndarray) -> int:
-    """A bound on a column's bytes in the file: str columns (object arrays) by their UTF-8 length."""
-    if values.dtype == object:
-        return 4 * sum(map(len, values)) + 16 * len(values)
-    return values.nbytes + 16 * len(values)
-
-
-def _append(dataset: h5py.Dataset, values: list) -> None:
-    start = dataset.shape[0]
-    dataset.resize((start + len(values),))
-    dataset[start:] = np.asarray(values, dtype=object if dataset.dtype == _STR else dataset.dtype)
-
-
-def _write_step(f: h5py.File, tables: StepTables, tensors_file: str | None) -> None:
-    name = step_group(tables.step)
-    if name in f:
-        del f[name]  # the step was written once already (stop() then start() within one step)
-    group = f.create_group(name)
-    group.attrs.update({"step": tables.step, "loss": np.nan, "grad_norm": np.nan, "lr": np.nan, "complete": False})
-    for table, types, columns in (("calls", CALL_TYPES, tables.calls), ("records", RECORD_TYPES, tables.records)):
-        table_group = group.create_group(table)
-        for column, dtype in types.items():
-            _create_column(table_group, column, columns[column], dtype)
-    if tables.samples is not None:
-        values, positions = tables.samples
-        group.create_dataset("samples/values", data=values)
-        group.create_dataset("samples/positions", data=positions)
-    if tensors_file is not None:
-        group["tensors"] = h5py.ExternalLink(tensors_file, "/")
-    group.attrs["complete"] = True
-
-
-_SHORT = 64  # str columns no longer than this, and ASCII, are stored fixed-length (docs/dump-format.md)
-
-
-def _create_column(group: h5py.Group, name: str, values: np.ndarray, dtype) -> None:
-    """One column, through h5py's low-level API: the dataset `create_dataset` makes, in half the time
-    (two dozen columns a step). Short ASCII str columns (roles, dtypes, shapes, ...) are stored as
-    fixed-length strings: HDF5 copies them, where each variable-length one is converted alone."""
-    memory_type = None
-    if dtype is _STR:
-        data = _fixed_length(values)
-        if data is None:
-            data, file_type = np.asarray(values, dtype=object), h5t.py_create(_STR, logical=True)
-        else:
-            file_type = memory_type = h5t.py_create(data.dtype)
-            file_type.set_cset(h5t.CSET_UTF8)
-    else:
-        data = np.ascontiguousarray(values, dtype=dtype)
-        file_type = h5t.py_create(data.dtype)
-    dataset = h5d.create(group.id, name.encode(), file_type, h5s.create_simple((len(data),)))
-    if len(data):
-        dataset.write(h5s.ALL, h5s.ALL, data, mtype=memory_type)  # str objects: converted one by one
-
-
-def _fixed_length(values: np.ndarray) -> np.ndarray | None:
-    """The column as a bytes array when every value is short ASCII, else None."""
-    if not len(values) or max(map(len, values)) > _SHORT:
-        return None
-    try:
-        return np.array(values, dtype="S")
-    except UnicodeEncodeError:
-        return None
-
-
-WRITE_ERRORS = (OSError, RuntimeError)  # h5py reports some failed writes (a full disk) as RuntimeError
-
-
-RING_BYTES = 1 << 30  # tensors in flight to the writer process; a full ring makes the training wait
-
-
-class TensorWriter:
-    """Full tensors of one step at a time, into `<dump>.tensors/<step>.h5`, written by a separate
-    process (`tensor_store.py`): the training thread only copies each tensor into a shared ring
-    buffer, and waits only when the ring is full. `close()` waits until everything is on disk."""
-
-    def __init__(self, dump_path: Path, compress: bool = True, ring_bytes: int = RING_BYTES) -> None:
-        self.folder = dump_path.with_name(dump_path.name + ".tensors")
-        self._ring_bytes = ring_bytes
-        fd = os.memfd_create("pi0align-tensors")
-        os.ftruncate(fd, ring_bytes)
+        self.folder = path.with_name(path.name + ".tensors")
+        self._ring_bytes = ring_bytes or (TENSOR_RING_BYTES if tensors else STEP_RING_BYTES)
+        fd = os.memfd_create("pi0align-dump")
+        os.ftruncate(fd, self._ring_bytes)
         # MAP_POPULATE: the pages are allocated now, not at a dumped step's first copy into them
-        self._ring = mmap.mmap(fd, ring_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        self._ring = mmap.mmap(fd, self._ring_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         self._ring_tensor = torch.frombuffer(self._ring, dtype=torch.uint8)
-        self._process = subprocess.Popen([sys.executable, tensor_store.__file__, str(fd), str(ring_bytes),
-                                          "1" if compress else "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         pass_fds=(fd,))
+        self._ring_array = np.frombuffer(self._ring, dtype=np.uint8)
+        python_path = os.pathsep.join(filter(None, (_PACKAGE_ROOT, os.environ.get("PYTHONPATH"))))
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "pi0align.dump.writer_process", str(fd), str(self._ring_bytes),
+             "1" if compress else "0", str(path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,), env={**os.environ, "PYTHONPATH": python_path})
         os.close(fd)  # both processes map it: the memory lives while either does
         self._head = 0  # ring bytes ever handed out (a position in an unbounded stream)
         self._freed = 0  # stream position up to which the writer is done with the ring
@@ -185,14 +61,17 @@ class TensorWriter:
         self._error: str | None = None
         self._closing = self._ended = False
         self._commands: list[tuple] = []  # not yet sent
+        self._tensor_step_open = False
         self._count = 0
         self._answered = threading.Condition()
-        self._answers = threading.Thread(target=self._read_answers, name="pi0align-tensor-answers", daemon=True)
+        self._answers = threading.Thread(target=self._read_answers, name="pi0align-dump-answers", daemon=True)
         self._answers.start()
+        atexit.register(self._close_at_exit)
 
     def begin_step(self, step: int) -> str:
-        """Start the step's side file; returns its path relative to the dump file."""
+        """Start the step's tensor file; returns its path relative to the dump file."""
         self._count = 0
+        self._tensor_step_open = True
         self._commands.append(("open", str(self.folder / f"{step:06d}.h5")))
         return f"{self.folder.name}/{step:06d}.h5"
 
@@ -206,22 +85,14 @@ class TensorWriter:
         self._count += 1
         nbytes = tensor.numel() * tensor.element_size()
         dtype, np_dtype = _dtype_names(tensor.dtype)
-        size = -(-nbytes // 64) * 64  # aligned, so the copy can view the ring as any dtype
-        if size > self._ring_bytes:  # larger than the whole ring: through the pipe
+        if nbytes > self._ring_bytes - 64:  # larger than the whole ring: through the pipe
             data = tensor.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
             self._commands.append(("write", name, dtype, np_dtype, tuple(tensor.shape), data.view(-1).view(
                 torch.uint8).numpy(), None))
             return f"tensors/{name}"
-        position = self._head % self._ring_bytes
-        start = self._head + (self._ring_bytes - position if position + size > self._ring_bytes else 0)
-        # free once the writer is past what was there a lap ago (never past what it was given:
-        # the skipped end of the ring, when the tensor wraps to the start, is never answered)
-        free_from = min(start + size - self._ring_bytes, self._head)
-        # checked before waiting, which sends the queued commands: they go in batches, not one by one
-        if self._freed < free_from and not self._wait(lambda: self._freed >= free_from):
+        offset = self._place(nbytes)
+        if offset is None:
             return ""
-        offset = start % self._ring_bytes
-        self._head = start + size
         target = self._ring_tensor[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
         target.copy_(tensor.detach())
         self._commands.append(("write", name, dtype, np_dtype, tuple(tensor.shape), (offset, nbytes), self._head))
@@ -229,21 +100,29 @@ class TensorWriter:
             self._send()
         return f"tensors/{name}"
 
-    def end_step(self) -> None:
-        """Let the writer finish the step's file on its own time; raise an earlier failure."""
-        self._commands.append(("close",))
+    def end_step(self, tables: StepTables | None, stacks: list[tuple[int, str]], metrics: list[tuple],
+                 tensors_file: str | None) -> None:
+        """Close the step's tensor file, if one is open, and hand over `file_format.append(...)` of
+        these; raise an earlier failure."""
+        if self._tensor_step_open:
+            self._commands.append(("close",))
+            self._tensor_step_open = False
+        if not self._ended and (tables is not None or stacks or metrics):
+            self._hand_over_append({"tables": tables, "stacks": stacks, "metrics": metrics,
+                                    "tensors_file": tensors_file})
         self._send()
         self._raise_error()
 
     def flush(self) -> None:
-        """Wait until every tensor put so far is on disk; raise what failed."""
+        """Wait until everything handed over so far is on disk; raise what failed."""
         synced = self._synced + 1
         self._commands.append(("sync",))
         self._wait(lambda: self._synced >= synced)
         self._raise_error()
 
     def close(self) -> None:
-        """Wait until every tensor is on disk, end the writer, free the ring; raise what failed."""
+        """Wait until everything is on disk, end the writer, free the ring; raise what failed."""
+        atexit.unregister(self._close_at_exit)
         try:
             if self._process.poll() is None:
                 self.flush()
@@ -254,9 +133,50 @@ class TensorWriter:
             self._answers.join()
             # Freed here: the last reference must not fall to the answers thread, which may be torn
             # down at interpreter exit, when freeing a torch.frombuffer tensor aborts the process.
-            self._ring_tensor = None
-            self._ring.close()
+            self._ring_tensor = self._ring_array = None
+            if not self._ring.closed:
+                self._ring.close()
         self._raise_error()
+
+    def _close_at_exit(self) -> None:
+        """A dumper never closed: the file must be complete before the next program reads it."""
+        try:
+            self.close()
+        except OSError as error:
+            print(f"pi0align: cannot write the dump file {self.path}: {error}", file=sys.stderr)
+
+    def _hand_over_append(self, arguments: dict) -> None:
+        """The arguments pickled, their arrays (numeric columns, samples) copied into the ring and
+        the rest through the pipe; all through the pipe when they would take over half the ring
+        (the places of one append must never wait for one another)."""
+        buffers: list[pickle.PickleBuffer] = []
+        pickled = pickle.dumps(arguments, protocol=5, buffer_callback=buffers.append)
+        if sum(buffer.raw().nbytes + 64 for buffer in buffers) > self._ring_bytes // 2:
+            pickled, buffers = pickle.dumps(arguments, protocol=5), []
+        places = []
+        for buffer in buffers:
+            raw = buffer.raw()
+            offset = self._place(raw.nbytes)
+            if offset is None:
+                return
+            self._ring_array[offset:offset + raw.nbytes] = np.frombuffer(raw, np.uint8)
+            places.append((offset, raw.nbytes))
+        self._commands.append(("append", pickled, places, self._head if places else None))
+
+    def _place(self, nbytes: int) -> int | None:
+        """The ring offset where `nbytes` go (aligned, so a copy can view the ring as any dtype),
+        once the writer is done with what was there a lap ago; None once it has failed or ended."""
+        size = -(-nbytes // 64) * 64
+        position = self._head % self._ring_bytes
+        start = self._head + (self._ring_bytes - position if position + size > self._ring_bytes else 0)
+        # free once the writer is past what was there a lap ago (never past what it was given:
+        # the skipped end of the ring, when the data wraps to the start, is never answered)
+        free_from = min(start + size - self._ring_bytes, self._head)
+        # checked before waiting, which sends the queued commands: they go in batches, not one by one
+        if self._freed < free_from and not self._wait(lambda: self._freed >= free_from):
+            return None
+        self._head = start + size
+        return start % self._ring_bytes
 
     def _send(self) -> None:
         commands, self._commands = self._commands, []
@@ -298,7 +218,7 @@ class TensorWriter:
         code = self._process.wait()
         with self._answered:
             if not self._closing and self._error is None:
-                self._error = f"the tensor writer process ended unexpectedly (exit code {code})"
+                self._error = f"the dump writer process ended unexpectedly (exit code {code})"
             self._ended = True
             self._answered.notify_all()
 
