@@ -71,3 +71,21 @@ def test_torch_op_path_samples_the_same_values_as_the_kernel(tmp_path, monkeypat
     assert kernel.status.startswith("torch ops:")
     assert np.array_equal(fused["samples"]["positions"], torch_ops["samples"]["positions"])
     assert np.array_equal(fused["samples"]["values"], torch_ops["samples"]["values"], equal_nan=True)
+
+
+def test_positions_are_int64_only_in_a_step_with_a_tensor_of_2_to_the_31_elements():
+    from pi0align.dump.sampling import Sampler
+
+    sampler = Sampler(SIZE)
+    small, wide = torch.arange(10.0), torch.ones(1).expand(2**31 + 7)  # a view: no memory
+    for step_tensors in ([small], [small, wide], [small]):
+        rows = [sampler.add(t, f"t{len(t)}", "input", 0) for t in step_tensors]
+        values, positions, counts = sampler.collect(np.array([*rows, -1]))
+        has_wide = len(step_tensors) == 2
+        assert positions.dtype == (np.int64 if has_wide else np.int32)
+        assert list(counts) == [SIZE] * len(step_tensors) + [0]
+        assert np.array_equal(values[0], small.numpy()[positions[0]]) and np.isnan(values[-1]).all()
+        assert (positions[-1] == -1).all()
+        if has_wide:
+            assert np.array_equal(positions[1], sample_positions(f"t{len(wide)}", "input", 0, tuple(wide.shape), SIZE))
+            assert (values[1] == 1).all()

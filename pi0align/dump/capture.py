@@ -50,7 +50,14 @@ class Capture:
         # After backward, the rest of the step (clipping, optimizer) is not the model's: calls are
         # captured again from the model's next forward (gradient accumulation) or the next step.
         self.after_backward = False
+        # Of the model last installed on, made once rather than at each dumped step: fewer objects
+        # for the garbage collector to promote (a full collection costs more than a step here).
+        # Modules and parameters added to the model later are not seen.
+        self._model: torch.nn.Module | None = None
+        self._modules: list[tuple[str, torch.nn.Module]] = []
         self._parameters: list[tuple[str, str, torch.nn.Parameter]] = []  # (name, module, param)
+        self._forwards: dict[torch.nn.Module, object] = {}  # module -> its forward wrapper
+        self._grad_hooks: dict[str, object] = {}  # parameter name -> its gradient hook
         self._param_rows: dict[int, int] | None = None  # id(param) -> its value record's row, once read
         self._grad_rows: dict[int, int] = {}  # id(param) -> its latest gradient record's row
         self.native = extension()
@@ -63,13 +70,17 @@ class Capture:
         return bool(self._handles or self._wrapped) or self._mode is not None
 
     def install(self, model: torch.nn.Module | None) -> None:
-        if model is not None:
-            for path, module in model.named_modules():
-                self._wrap_forward(path, module)
-            for name, param in model.named_parameters():
-                self._parameters.append((name, name.rpartition(".")[0], param))
-                if param.requires_grad:
-                    self._handles.append(param.register_post_accumulate_grad_hook(self._grad_hook(name)))
+        if model is not self._model:
+            self._model, self._forwards, self._grad_hooks = model, {}, {}
+            self._modules = list(model.named_modules()) if model is not None else []
+            self._parameters = [(name, name.rpartition(".")[0], param)
+                                for name, param in (model.named_parameters() if model is not None else ())]
+        for path, module in self._modules:
+            self._wrap_forward(path, module)
+        for name, _, param in self._parameters:
+            if param.requires_grad:
+                hook = self._grad_hooks.get(name) or self._grad_hooks.setdefault(name, self._grad_hook(name))
+                self._handles.append(param.register_post_accumulate_grad_hook(hook))
         if self.level != "module":
             self._patch_npu()
             self._mode = _ApiMode(self)
@@ -151,15 +162,23 @@ class Capture:
         self._npu_patches.clear()
         self._handles.clear()
         self._wrapped.clear()
-        self._parameters.clear()
         self._module_paths.clear()
         self._open_modules.clear()
 
     def _wrap_forward(self, path: str, module: torch.nn.Module) -> None:
         """Wrap the module's `forward` on the instance: unlike forward hooks, this also sees
-        `module.forward(...)` called directly, as LeRobot's PI0 does."""
+        `module.forward(...)` called directly, as LeRobot's PI0 does. The wrapper of the class's
+        forward is kept for the next dumped step; one of an instance's own forward is not."""
         previous = module.__dict__.get("forward")
-        original = module.forward
+        forward = self._forwards.get(module) if previous is None else None
+        if forward is None or getattr(forward.__wrapped__, "__func__", None) is not type(module).forward:
+            forward = self._forward_wrapper(path, module, module.forward)
+            if previous is None:
+                self._forwards[module] = forward
+        module.forward = forward
+        self._wrapped.append((module, previous))
+
+    def _forward_wrapper(self, path: str, module: torch.nn.Module, original):
         enter, leave = self._enter_module, self._leave_module
 
         @functools.wraps(original)
@@ -172,8 +191,7 @@ class Capture:
                 leave(path, output)
             return output
 
-        module.forward = forward
-        self._wrapped.append((module, previous))
+        return forward
 
     def begin_step(self, log: StepLog) -> None:
         self.log = log
@@ -192,7 +210,7 @@ class Capture:
         if log is None:
             return None
         log.close()  # gradients of a graph kept past the step are not its
-        if not log.calls:
+        if not log.call_count:
             return None
         for name, module, param in self._parameters:
             value, grad = (self._param_rows or {}).get(id(param)), self._grad_rows.get(id(param))

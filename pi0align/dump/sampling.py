@@ -27,42 +27,59 @@ _INT32_MAX = 2**31 - 1
 class Sampler:
     """Gathers the sampled elements of captured tensors (CPU ones with the fused kernel, straight
     into a host table, others on their device, both without copying views); positions and memory
-    offsets are cached per record name and layout."""
+    offsets are computed once per record name and layout, the positions kept as rows of one table."""
 
     def __init__(self, size: int, queued: bool = False) -> None:
         self.size = size
         self.queued = queued  # gathered on the fused kernel's thread: values ready after KERNEL.wait()
-        # -> (positions -1-padded to `size`, count, memory offsets, their address, offsets on the device or None)
+        # -> (row of the positions table, count, memory offsets, their address, offsets on the device or None, wide)
         self._cache: dict[tuple, tuple] = {}
+        # Positions, -1-padded to `size`: row 0 all -1 (records without a sample), then one row per
+        # cached layout; int32 until a tensor of 2^31 elements or more needs int64 (docs/dump-format.md).
+        self._position_table = np.full((256, size), -1, dtype=np.int32)
+        self._layouts = 1  # rows of the positions table in use
         self._host = np.full((0, size), np.nan)  # per row, float64 NaN-padded: the kernel writes here
         self._on_device: dict[int, torch.Tensor] = {}  # row -> float64 values on the tensor's device
-        self._positions: list[np.ndarray] = []  # per row, -1-padded
+        self._position_rows: list[int] = []  # per row, its row of the positions table
         self._counts: list[int] = []
+        self._wide_rows = 0  # rows of the step whose positions need int64
 
     def add(self, tensor: torch.Tensor, name: str, role: str, arg_index: int) -> int:
         """Queue the sample of one record; returns its row."""
         key = (name, role, arg_index, tuple(tensor.shape), tensor.stride(), tensor.device)
         cached = self._cache.get(key)
         if cached is None:
-            positions = sample_positions(name, role, arg_index, tuple(tensor.shape), self.size)
-            offsets = _memory_offsets(positions, tensor)
-            # int32 where every position fits: the file's positions are half the bytes (docs/dump-format.md)
-            padded = np.full(self.size, -1, dtype=np.int32 if tensor.numel() <= _INT32_MAX else np.int64)
-            padded[: len(positions)] = positions
-            on_device = None if KERNEL.supports(tensor) else torch.from_numpy(offsets).to(tensor.device)
-            cached = self._cache[key] = (padded, len(positions), offsets, offsets.ctypes.data, on_device)
-        padded, count, offsets, offsets_at, on_device = cached
-        row = len(self._positions)
+            cached = self._cache[key] = self._layout(tensor, name, role, arg_index)
+        position_row, count, offsets, offsets_at, on_device, wide = cached
+        row = len(self._position_rows)
         if on_device is None:
             if row + 1 >= len(self._host):  # one row to spare: the NaN row of records without a sample
                 self._grow(row + 2)
+            if count < self.size:
+                self._host[row, count:] = np.nan  # the kernel writes the first `count`
             KERNEL.gather(tensor, offsets_at, count, self._host_at + self._host.strides[0] * row, self.queued)
         else:
             memory = tensor.detach().as_strided((_extent(tensor),), (1,))  # the elements' span, views not copied
             self._on_device[row] = memory.index_select(0, on_device).to(torch.float64)
-        self._positions.append(padded)
+        self._position_rows.append(position_row)
         self._counts.append(count)
+        self._wide_rows += wide
         return row
+
+    def _layout(self, tensor: torch.Tensor, name: str, role: str, arg_index: int) -> tuple:
+        """The cache entry of a record name and tensor layout."""
+        positions = sample_positions(name, role, arg_index, tuple(tensor.shape), self.size)
+        offsets = _memory_offsets(positions, tensor)
+        wide = tensor.numel() > _INT32_MAX
+        row, self._layouts = self._layouts, self._layouts + 1
+        if row == len(self._position_table) or (wide and self._position_table.dtype != np.int64):
+            table = np.full((2 * len(self._position_table), self.size), -1, dtype=np.int64 if wide else
+                            self._position_table.dtype)
+            table[:row] = self._position_table[:row]
+            self._position_table = table
+        self._position_table[row, : len(positions)] = positions
+        on_device = None if KERNEL.supports(tensor) else torch.from_numpy(offsets).to(tensor.device)
+        return row, len(positions), offsets, offsets.ctypes.data, on_device, wide
 
     def _grow(self, needed: int) -> None:
         """At least twice the host table's rows, once the queued gathers into it have run."""
@@ -75,7 +92,7 @@ class Sampler:
         """For queued rows `rows` (-1: none), (values [n, size] NaN-padded, positions [n, size]
         -1-padded, counts [n]); one copy to the host per device, and the queue is emptied."""
         KERNEL.wait()
-        queued = len(self._positions)
+        queued = len(self._position_rows)
         if queued + 1 > len(self._host):
             self._grow(queued + 1)
         by_device: dict[torch.device, list[int]] = {}
@@ -85,14 +102,18 @@ class Sampler:
             host = torch.cat([self._on_device[r] for r in device_rows]).cpu().numpy()
             offset = 0
             for r in device_rows:
+                self._host[r] = np.nan
                 self._host[r, : self._counts[r]] = host[offset : offset + self._counts[r]]
                 offset += self._counts[r]
-        take = np.where(rows >= 0, rows, queued)  # row `queued`: NaN, never written
+        self._host[queued] = np.nan  # the row of records without a sample
+        take = np.where(rows >= 0, rows, queued)
         values = self._host[take]
-        positions = np.stack([*self._positions, np.full(self.size, -1, dtype=np.int32)])[take]  # int64 if any row is
+        position_rows = np.array([*self._position_rows, 0], dtype=np.int64)
+        positions = self._position_table[position_rows[take]]
+        if positions.dtype == np.int64 and not self._wide_rows:
+            positions = positions.astype(np.int32)  # int64 only in a step that needs it
         counts = np.array([*self._counts, 0], dtype=np.int32)[take]
-        self._host[: queued + 1] = np.nan
-        self._on_device, self._positions, self._counts = {}, [], []
+        self._on_device, self._position_rows, self._counts, self._wide_rows = {}, [], [], 0
         return values, positions, counts
 
 

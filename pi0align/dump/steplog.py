@@ -77,7 +77,9 @@ class StepLog:
     worker: StatsWorker | None = None
     queued: bool = False  # CPU statistics on the fused kernel's thread
     native: object = None  # the extension (observer.py) whose recorder keeps the records, or None
-    calls: list[tuple] = field(default_factory=list)
+    # CALL_COLUMNS, one list each: a tuple per call would be one more object for the garbage
+    # collector to track, and promote, per call
+    calls: dict[str, list] = field(default_factory=lambda: {column: [] for column in CALL_COLUMNS})
     records: list[list] = field(default_factory=list)  # Python path: RECORD_COLUMNS + [slot, sample row]
     seen: dict[tuple, _Seen] = field(default_factory=dict)  # Python path: _elements_key -> what to reuse
     stats: StatsBatch = None
@@ -102,14 +104,27 @@ class StepLog:
         if self._recorder is not None:
             self.native.close(self._recorder)
 
+    @property
+    def call_count(self) -> int:
+        return len(self.calls["seq"])
+
     def open_call(self, name: str, module: str, api: str, direction: str, stack_id: int, args: str) -> int:
-        self.calls.append((len(self.calls), name, module, api, direction, stack_id, args))
-        return len(self.calls) - 1
+        seqs, names, modules, apis, directions, stack_ids, arguments = self.calls.values()  # CALL_COLUMNS' order
+        call_id = len(seqs)
+        seqs.append(call_id)
+        names.append(name)
+        modules.append(module)
+        apis.append(api)
+        directions.append(direction)
+        stack_ids.append(stack_id)
+        arguments.append(args)
+        return call_id
 
     def open_backward(self, forward_id: int) -> int:
         """Open the backward row of a forward call (when its first gradient arrives)."""
-        _, name, module, api, _, stack_id, args = self.calls[forward_id]
-        return self.open_call(name, module, api, "backward", stack_id, args)
+        calls = self.calls
+        return self.open_call(calls["name"][forward_id], calls["module"][forward_id], calls["api"][forward_id],
+                              "backward", calls["stack_id"][forward_id], calls["args"][forward_id])
 
     def add_tensors(self, call_id: int, name: str, role: str, tensors: list[torch.Tensor]) -> None:
         if self._recorder is not None:
@@ -159,8 +174,8 @@ class StepLog:
 
     def finish(self) -> StepTables:
         """Read the statistics back (one copy per device) and build the tables."""
-        calls = dict(zip(CALL_COLUMNS, map(_array, _columns(self.calls, len(CALL_COLUMNS)))))
-        calls["call_id"] = np.arange(len(self.calls), dtype=np.int32)
+        calls = {column: _array(values) for column, values in self.calls.items()}
+        calls["call_id"] = np.arange(self.call_count, dtype=np.int32)
         columns = self._record_columns()
         kept = columns["call_id"] >= 0
         columns = {c: v[kept] for c, v in columns.items()}
