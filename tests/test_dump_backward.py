@@ -77,3 +77,34 @@ def test_compiled_and_python_capture_record_the_same(tmp_path, monkeypatch, leve
     # the composite reports its output gradients only
     attention = {(r, a) for n, r, a in roles if n.endswith("Functional.multi_head_attention_forward#0")}
     assert ("grad_output", 0) in attention and not any(r == "grad_input" for r, _ in attention)
+
+
+def test_the_tensors_of_a_call_are_found_alike_in_cpp_and_python():
+    import collections
+    from collections.abc import Mapping
+
+    from pi0align.dump.arguments import tensors_of
+
+    class Frozen(Mapping):  # a mapping that is not a dict
+        def __init__(self, **items):
+            self._items = items
+
+        def __getitem__(self, key):
+            return self._items[key]
+
+        def __iter__(self):
+            return iter(self._items)
+
+        def __len__(self):
+            return len(self._items)
+
+    t = [torch.full((1,), float(i)) for i in range(8)]
+    ordered = collections.OrderedDict(a=t[4], b=t[5])
+    ordered.move_to_end("a")  # its values() order differs from its dict storage
+    Pair = collections.namedtuple("Pair", "x y")
+    values = ((t[0], 1, 2.5, None, "s", True, torch.Size([2])), {"k": [t[1], (t[2],)]},
+              Pair(t[3], b"bytes"), ordered, Frozen(x=t[6], y=[t[7], 3]), t[0])
+    expected = [t[0], t[1], t[2], t[3], t[5], t[4], t[6], t[7], t[0]]
+    for found in (tensors_of(*values), KERNEL.observer.tensors_of(*values)):
+        assert [id(x) for x in found] == [id(x) for x in expected]
+    assert KERNEL.observer.tensors_of() == [] and KERNEL.observer.tensors_of(7) == []

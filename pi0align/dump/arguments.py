@@ -12,17 +12,24 @@ import torch
 _MAX_REPR = 200
 
 
-def flatten_tensors(value, out: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Append every tensor in `value`, depth-first through tuples, lists and dicts, to `out`."""
+def tensors_of(*values) -> list[torch.Tensor]:
+    """Every tensor in `values`, depth-first through tuples, lists and mappings (observer.py has
+    the same in C++)."""
+    out: list[torch.Tensor] = []
+    for value in values:
+        _flatten(value, out)
+    return out
+
+
+def _flatten(value, out: list[torch.Tensor]) -> None:
     if isinstance(value, torch.Tensor):
         out.append(value)
     elif isinstance(value, (tuple, list)):
         for item in value:
-            flatten_tensors(item, out)
+            _flatten(item, out)
     elif isinstance(value, Mapping):
         for item in value.values():
-            flatten_tensors(item, out)
-    return out
+            _flatten(item, out)
 
 
 def describe_arguments(args: tuple, kwargs: dict) -> str:

@@ -10,7 +10,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from pi0align.dump import backward
-from pi0align.dump.arguments import describe_arguments, flatten_tensors
+from pi0align.dump.arguments import describe_arguments, tensors_of
 from pi0align.dump.kernel import KERNEL
 from pi0align.dump.naming import ApiNames, Namer, is_inplace
 from pi0align.dump.stacks import Stacks
@@ -64,6 +64,7 @@ class Capture:
         hooks = backward if self.native is None else self.native
         self._input_edges, self._watch = hooks.input_edges, hooks.watch
         self._watch_tensor_grads = hooks.watch_tensor_grads
+        self._tensors_of = tensors_of if self.native is None else self.native.tensors_of
 
     @property
     def installed(self) -> bool:
@@ -248,7 +249,7 @@ class Capture:
     def api_call(self, func, api: str, args: tuple, kwargs: dict):
         """Run one torch call, recording its inputs and outputs and watching its backward."""
         module = self._module_paths[-1] if self._module_paths else ""
-        inputs = flatten_tensors(kwargs, flatten_tensors(args, []))
+        inputs = self._tensors_of(args, kwargs)
         if is_inplace(api, kwargs):
             # The call overwrites an input: its statistics and gradient edge must come first.
             opened = self._open(module, api, args, kwargs)
@@ -258,10 +259,10 @@ class Capture:
             edges = self._input_edges(inputs) if torch.is_grad_enabled() else None
             self.log.stats.drain()  # statistics still queued may be of the tensor about to change
             result = self._run(func, args, kwargs)
-            outputs = flatten_tensors(result, []) or inputs[:1]
+            outputs = self._tensors_of(result) or inputs[:1]
         else:
             result = self._run(func, args, kwargs)
-            outputs = flatten_tensors(result, [])
+            outputs = self._tensors_of(result)
             if not outputs:
                 return result  # a query (size, item, ...) or an action (backward): nothing to record
             opened = self._open(module, api, args, kwargs)
@@ -291,7 +292,7 @@ class Capture:
                 opened = self._open(path, f"Module.{type(module).__name__}", args, kwargs)
                 if opened is not None:
                     call_id, name = opened
-                    inputs = flatten_tensors(kwargs, flatten_tensors(args, []))
+                    inputs = self._tensors_of(args, kwargs)
                     self.log.add_tensors(call_id, name, "input", inputs)
                     opened = (call_id, name, self._grad_sink(call_id, name))
                     self._watch_tensor_grads(inputs, "grad_input", opened[2])
@@ -305,7 +306,7 @@ class Capture:
         if opened is not None and self.log is not None and output is not None:
             call_id, name, sink = opened
             with _quiet():
-                outputs = flatten_tensors(output, [])
+                outputs = self._tensors_of(output)
                 self.log.add_tensors(call_id, name, "output", outputs)
                 self._watch(outputs, None, sink)
 

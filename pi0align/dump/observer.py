@@ -4,6 +4,7 @@ extension on first use.
 - `input_edges` / `watch`: `backward.py`'s, in C++. Finding the autograd nodes a call created and
   hooking them costs Python about 10 µs a call; here well under one, and the hooks call the Python
   sink only with a gradient to record.
+- `tensors_of`: `arguments.py`'s, the tensors of a call's arguments or results.
 - `stats` / `gather` / `wait`: the kernel's entry points taking the tensor itself: the view layout,
   dtype and address are read in C++, and queued tensors are kept alive there (`kernel.py` has the
   ctypes path these replace).
@@ -736,6 +737,49 @@ PyObject* close_recorder(PyObject*, PyObject* capsule) {
   Py_RETURN_NONE;
 }
 
+// ---- the tensors of a call: arguments.py's tensors_of -----------------------------------------
+
+PyObject* mapping_type = nullptr;  // collections.abc.Mapping
+
+// Append every tensor in `value`, depth-first through tuples, lists and mappings, to `out`.
+bool flatten_into(PyObject* value, PyObject* out) {
+  if (THPVariable_Check(value)) return PyList_Append(out, value) == 0;
+  if (PyTuple_Check(value) || PyList_Check(value)) {
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(value); ++i)
+      if (!flatten_into(PySequence_Fast_GET_ITEM(value, i), out)) return false;
+    return true;
+  }
+  if (value == Py_None || PyLong_Check(value) || PyFloat_Check(value) || PyUnicode_Check(value)) return true;
+  if (PyDict_CheckExact(value)) {  // a subclass (OrderedDict) may order its values otherwise
+    PyObject *key, *item;
+    for (Py_ssize_t at = 0; PyDict_Next(value, &at, &key, &item);)
+      if (!flatten_into(item, out)) return false;
+    return true;
+  }
+  if (mapping_type == nullptr) {
+    PyObject* abc = PyImport_ImportModule("collections.abc");
+    mapping_type = abc ? PyObject_GetAttrString(abc, "Mapping") : nullptr;
+    Py_XDECREF(abc);
+    if (mapping_type == nullptr) return false;
+  }
+  int mapping = PyObject_IsInstance(value, mapping_type);
+  if (mapping <= 0) return mapping == 0;
+  PyObject* values = PyObject_CallMethod(value, "values", nullptr);
+  PyObject* items = values ? PySequence_Fast(values, "values() is not iterable") : nullptr;
+  Py_XDECREF(values);
+  bool ok = items != nullptr && flatten_into(items, out);
+  Py_XDECREF(items);
+  return ok;
+}
+
+// tensors_of(*values) -> the tensors in them, in order
+PyObject* tensors_of(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  PyObject* out = PyList_New(0);
+  for (Py_ssize_t i = 0; out != nullptr && i < nargs; ++i)
+    if (!flatten_into(args[i], out)) Py_CLEAR(out);
+  return out;
+}
+
 PyMethodDef methods[] = {
     {"backward_call", (PyCFunction)(void (*)(void))new_backward_call, METH_FASTCALL, "a call's gradient sink"},
     {"close", close_recorder, METH_O, "the step has ended"},
@@ -754,6 +798,7 @@ PyMethodDef methods[] = {
     {"watch_tensor_grads", (PyCFunction)(void (*)(void))watch_tensor_grads, METH_FASTCALL, "hook tensors' gradients"},
     {"input_edges", input_edges, METH_O, "the gradient edges of the tensors that require grad"},
     {"watch", (PyCFunction)(void (*)(void))watch, METH_FASTCALL, "hook the nodes of a call's outputs"},
+    {"tensors_of", (PyCFunction)(void (*)(void))tensors_of, METH_FASTCALL, "the tensors in the values"},
     {nullptr, nullptr, 0, nullptr},
 };
 
