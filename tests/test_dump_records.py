@@ -240,6 +240,20 @@ def test_msprobe_style_start_stop_around_each_step(tmp_path):
         assert calls["direction"].count("backward") == 6
 
 
+def test_start_after_close_appends_to_the_same_file(tmp_path):
+    torch.manual_seed(1)
+    net = Net()
+    dumper = Dumper(tmp_path, steps=[0, 1], level="api")
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        dumper.start(net)
+        net(x).sum().backward()
+        dumper.step()
+        dumper.close()
+    for step in (0, 1):
+        assert read_step(tmp_path / "dump.h5", step)["calls"]["name"][0] == "block.proj/Functional.linear#0"
+
+
 def test_gradient_accumulation_records_every_micro_batch_and_nothing_after_each_backward(tmp_path):
     torch.manual_seed(1)
     net = Net()

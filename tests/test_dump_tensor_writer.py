@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pi0align import Dumper
+from pi0align.dump import file_format
 from pi0align.dump.file_format import CALL_TYPES, RECORD_TYPES, StepTables
 from pi0align.dump.writer import DumpWriter
 
@@ -19,7 +20,7 @@ def test_ring_wraps_fills_and_passes_tensors_larger_than_itself(tmp_path):
     generator = torch.Generator().manual_seed(0)
     tensors = [torch.randn(n, generator=generator) for n in (40_000, 70_000, 10, 300_000, 50_000, 90_000)]
     tensors.append(torch.randn(300, 200, generator=generator).to(torch.bfloat16).t())  # a view, 2-byte dtype
-    writer = DumpWriter(tmp_path / "dump.h5", {}, {}, tensors=True, ring_bytes=1 << 18)  # the 300k tensor does not fit
+    writer = DumpWriter(tmp_path / "dump.h5", tensors=True, ring_bytes=1 << 18)  # the 300k tensor does not fit
     for step in range(2):
         writer.begin_step(step)
         paths = [writer.put(t * (step + 1)) for t in tensors]
@@ -54,7 +55,8 @@ def _tables(step: int, rows: int, sample_size: int) -> StepTables:
 def test_steps_handed_over_through_a_small_ring_come_back_exact(tmp_path):
     """Steps go through the ring (it wraps and fills over the steps), or through the pipe when
     they would take over half of it."""
-    writer = DumpWriter(tmp_path / "dump.h5", {}, {}, ring_bytes=1 << 16)
+    file_format.create(tmp_path / "dump.h5", {}, {})
+    writer = DumpWriter(tmp_path / "dump.h5", ring_bytes=1 << 16)
     steps = [_tables(step, rows=100, sample_size=4 if step % 3 else 64) for step in range(8)]
     for tables in steps:
         writer.end_step(tables, [(tables.step, f"frames {tables.step}")], [(tables.step, 1.0, 2.0, 3.0)], None)
@@ -87,7 +89,7 @@ def test_close_frees_the_ring_and_ends_the_answers_thread_before_returning(tmp_p
     """Otherwise the ring's last reference can fall to the answers thread while the interpreter
     exits, and freeing the torch.frombuffer tensor there aborts the process (seen: exit code 134,
     "terminate called without an active exception")."""
-    writer = DumpWriter(tmp_path / "dump.h5", {}, {}, tensors=True, ring_bytes=1 << 16)
+    writer = DumpWriter(tmp_path / "dump.h5", tensors=True, ring_bytes=1 << 16)
     writer.begin_step(0)
     writer.put(torch.ones(100))
     writer.end_step(None, [], [], None)

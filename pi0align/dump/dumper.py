@@ -17,6 +17,7 @@ from pi0align.dump.manifest import build_manifest
 from pi0align.dump.sampling import Sampler
 from pi0align.dump.stats import ChecksumWeights, StatsWorker
 from pi0align.dump.steplog import Filter, StepLog
+from pi0align.dump import file_format
 from pi0align.dump.file_format import WRITE_ERRORS
 from pi0align.dump.writer import DumpWriter
 from pi0align.errors import UserError
@@ -64,7 +65,8 @@ class Dumper:
         self._compress = compress
         self._step = 0
         self._model: torch.nn.Module | None = None
-        self._writer: DumpWriter | None = None
+        self._created = False  # the dump file exists: a later start() appends to it
+        self._writer: DumpWriter | None = None  # between the first start() and close()
         self._tensors_file: str | None = None  # this step's tensor file (tensor mode)
         self._capture: Capture | None = None
         self._weights = ChecksumWeights()
@@ -107,13 +109,13 @@ class Dumper:
             self._manifest = {**(self._manifest or {}), **manifest}
         if step is not None:
             self._step = int(step)
-        if self._writer is None:
+        if not self._created:
             self._rank, self._world_size = _rank_and_world_size()
         if not self.enabled:
             return self
         self._model = model if model is not None else self._model
         if self._writer is None:
-            self._open_file()
+            self._open_writer()
         self._started = True
         self._follow_selection()
         return self
@@ -167,15 +169,19 @@ class Dumper:
 
     # ---- internals -----------------------------------------------------------------------------
 
-    def _open_file(self) -> None:
-        attrs = {
-            "rank": self._rank, "world_size": self._world_size, "mode": self.mode, "level": self.level,
-            "sample_size": self.sample_size if self.mode == "sample" else 0,
-            "cpu_stats": KERNEL.status, "observer": KERNEL.observer_status,
-        }
-        manifest = build_manifest(self._model, self._rank, self._world_size, self._manifest)
+    def _open_writer(self) -> None:
+        """Start the writer process; create the dump file first, the first time."""
         try:
-            self._writer = DumpWriter(self.file, attrs, manifest, tensors=self.mode == "tensor", compress=self._compress)
+            if not self._created:
+                attrs = {
+                    "rank": self._rank, "world_size": self._world_size, "mode": self.mode, "level": self.level,
+                    "sample_size": self.sample_size if self.mode == "sample" else 0,
+                    "cpu_stats": KERNEL.status, "observer": KERNEL.observer_status,
+                }
+                file_format.create(self.file, attrs, build_manifest(self._model, self._rank, self._world_size,
+                                                                    self._manifest))
+                self._created = True
+            self._writer = DumpWriter(self.file, tensors=self.mode == "tensor", compress=self._compress)
         except WRITE_ERRORS as error:
             raise UserError(f"cannot write the dump file {self.file}: {_reason(error)}") from None
 

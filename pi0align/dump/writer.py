@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pi0align.dump import file_format
 from pi0align.dump.file_format import StepTables
 
 TENSOR_RING_BYTES = 1 << 30  # tensors in flight to the writer process; a full ring makes the training wait
@@ -31,15 +30,13 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # where the writer pro
 
 
 class DumpWriter:
-    """Creates the dump file `path` (here, so that an unwritable path fails at once), then hands
-    its appends and, with `tensors`, the full tensors of each step (into
-    `<dump>.tensors/<step>.h5`) to the writer process. The training thread waits only when the
-    ring is full; `flush()` waits until everything handed over is on disk, `close()` also ends the
-    process. A failure in the process is raised by the next call that hands something over."""
+    """Hands the appends of the dump file `path` (made by `file_format.create`) and, with
+    `tensors`, the full tensors of each step (into `<dump>.tensors/<step>.h5`) to the writer
+    process. The training thread waits only when the ring is full; `flush()` waits until everything
+    handed over is on disk, `close()` also ends the process. A failure in the process is raised by
+    the next call that hands something over."""
 
-    def __init__(self, path: Path, attrs: dict, manifest: dict, tensors: bool = False, compress: bool = True,
-                 ring_bytes: int | None = None) -> None:
-        file_format.create(path, attrs, manifest)
+    def __init__(self, path: Path, tensors: bool = False, compress: bool = True, ring_bytes: int | None = None) -> None:
         self.path = path
         self.folder = path.with_name(path.name + ".tensors")
         self._ring_bytes = ring_bytes or (TENSOR_RING_BYTES if tensors else STEP_RING_BYTES)
