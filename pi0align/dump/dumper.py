@@ -11,14 +11,14 @@ from pathlib import Path
 
 import torch
 
+from pi0align.dump import file_format
 from pi0align.dump.capture import LEVELS, Capture
+from pi0align.dump.file_format import WRITE_ERRORS
 from pi0align.dump.kernel import KERNEL
 from pi0align.dump.manifest import build_manifest
 from pi0align.dump.sampling import Sampler
 from pi0align.dump.stats import ChecksumWeights, StatsWorker
 from pi0align.dump.steplog import Filter, StepLog
-from pi0align.dump import file_format
-from pi0align.dump.file_format import WRITE_ERRORS
 from pi0align.dump.writer import DumpWriter
 from pi0align.errors import UserError
 
