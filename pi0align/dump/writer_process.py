@@ -39,11 +39,11 @@ import h5py
 import numpy as np
 
 from pi0align.dump import file_format
-from pi0align.dump.file_format import ensure_room
+from pi0align.dump.file_format import WRITE_ERRORS, ensure_room
 from pi0align.dump.tensor_store import write_tensor_dataset
 
 PARTIAL = ".partial"
-_FAILURES = (OSError, RuntimeError, ValueError)  # h5py reports a full disk as RuntimeError
+_FAILURES = (*WRITE_ERRORS, ValueError)  # ValueError: h5py on an object a failed write closed ("invalid object ID")
 
 
 class _Store:
