@@ -9,7 +9,9 @@
    compare` command as a user runs it (console summary, with its HTML report and with --no-html);
 3. sequence alignment: 20k calls where run B has 1% extra calls (casts) -- ours against
    msprobe's fuzzy mode (-fm);
-4. tensor mode on our HDF5 dumps: throughput (GB/s of tensor data) and peak resident memory.
+4. tensor mode on our HDF5 dumps: throughput (GB/s of tensor data) and peak resident memory;
+5. replay: a tensor-dumped step of real PI0 small (bf16, 1 against 2 threads) compared with every
+   call replayed in float64, as a ratio to the same compare without replay (goal <= 2x).
 
 Prints one line per case with both times and the ratio. Needs mindstudio-probe for cases 1-3
 (skipped with a line when absent).
@@ -207,16 +209,44 @@ def tensor_throughput(work: Path, gigabytes: float) -> None:
           f"peak RSS {rss:.2f} GiB", flush=True)
 
 
+def replay_cost(work: Path, rounds: int) -> None:
+    """compare_dumps with and without replay on one tensor-dumped PI0 small step, alternating."""
+    script = ("import sys; from pi0align.compare import compare_dumps; "
+              "r = compare_dumps(sys.argv[1], sys.argv[2], replay=sys.argv[3] == 'on'); "
+              "print(r.verdict, r.noise_model, len(r.culprits), 'culprits')")
+    runs = []
+    for threads in (1, 2):  # each in a process of its own: the thread count is the process's
+        path = work / f"pi0_threads{threads}"
+        make = (f"from pi0align.testing.scenarios import Pi0Run, dump_pi0; "
+                f"dump_pi0({str(path)!r}, Pi0Run(threads={threads}, steps=1))")
+        subprocess.run([PYTHON, "-c", make], check=True, capture_output=True, timeout=TIMEOUT)
+        runs.append(str(path))
+    times = {"off": [], "on": []}
+    said = {}
+    for _ in range(rounds):
+        for mode in times:
+            elapsed, said[mode] = timed([PYTHON, "-c", script, *runs, mode])
+            times[mode].append(elapsed)
+    off, on = min(times["off"]), min(times["on"])
+    print(f"replay: PI0 small, one tensor-dumped step, bf16, 1 vs 2 threads: {on:.1f} s with replay, {off:.1f} s "
+          f"without: {on / off:.2f}x (goal <= 2x; best of {rounds} alternating rounds each; "
+          f"with replay: {said['on']}; without: {said['off']})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", default="1000,5000,20000")
     parser.add_argument("--tensor-gb", type=float, default=1.0, help="tensor data per dump (default 1 GiB)")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--tensor-only", action="store_true", help="only the tensor-mode throughput case")
+    parser.add_argument("--replay-only", action="store_true", help="only the replay case")
     args = parser.parse_args()
     sizes = [int(n) for n in args.calls.split(",")] if not args.quick else [1000]
     work = Path(tempfile.mkdtemp(prefix="compare_speed_"))
     try:
+        if args.replay_only:
+            replay_cost(work, 1 if args.quick else 2)
+            return
         if MSPROBE and not args.tensor_only:
             real_msprobe_dumps(work)
             for n in sizes:
@@ -240,6 +270,8 @@ def main() -> None:
         elif not MSPROBE:
             print("msprobe not installed (.venv/bin/pip install mindstudio-probe): msprobe cases skipped")
         tensor_throughput(work, 0.25 if args.quick else args.tensor_gb)
+        if not args.tensor_only:
+            replay_cost(work, 1 if args.quick else 2)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

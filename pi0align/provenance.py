@@ -28,6 +28,29 @@ def versions() -> dict[str, str | None]:
     return {"python": platform.python_version(), "pi0align": __version__, "cann": cann_version(), **found}
 
 
+def numerics() -> dict[str, object]:
+    """The switches that change numerics: CPU threads, TF32 (NVIDIA), HF32 (Ascend), the float32
+    matmul precision, deterministic algorithms. None where the backend is absent."""
+    npu = getattr(torch, "npu", None)
+    return {
+        "threads": torch.get_num_threads(),  # CPU reductions split by thread: another count, other rounding
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,  # PyTorch's default is True: convolutions on TF32
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "npu_matmul_allow_hf32": _flag(npu, "matmul"),
+        "npu_conv_allow_hf32": _flag(npu, "conv"),
+    }
+
+
+def _flag(npu, kind: str) -> bool | None:
+    try:
+        return bool(getattr(getattr(npu, kind), "allow_hf32"))
+    except AttributeError:
+        return None
+
+
 def weights_sha256(model: torch.nn.Module) -> str:
     """SHA-256 over every parameter and buffer: name, dtype, shape and raw bytes, in name order."""
     digest = hashlib.sha256()

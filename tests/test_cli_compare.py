@@ -140,13 +140,14 @@ def test_missing_plotly_is_said_in_one_line_before_comparing(dumps, tmp_path):
 
 def test_compare_imports_neither_torch_nor_pandas(dumps, tmp_path):
     """Every output of `pi0align compare`, on our dumps and on msprobe's: no torch (it runs where
-    only the dumps are), no pandas and hence no pyarrow (a third of a second to import)."""
+    only the dumps are), no pandas and hence no pyarrow (a third of a second to import). Full
+    tensors are replayed in float64 with torch unless --no-replay says otherwise."""
     msprobe = _msprobe_dump(tmp_path / "msprobe")
     script = (
         "import sys\n"
         "from pi0align.cli.main import main\n"
         f"code = main(['compare', {str(dumps['gpu'])!r}, {str(dumps['fault'])!r}, '--json', 's.json',"
-        " '--csv', 'r.csv'])\n"
+        " '--csv', 'r.csv', '--no-replay'])\n"
         "assert code == 1, code\n"
         f"code = main(['compare', {str(msprobe)!r}, {str(msprobe)!r}, '--csv', 'm.csv', '--html', 'm.html'])\n"
         "assert code == 0, code\n"

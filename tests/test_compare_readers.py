@@ -168,3 +168,23 @@ def test_a_step_whose_tensor_file_is_missing_is_compared_on_statistics(tmp_path)
     evidence = result.table()["evidence"][result.table()["step"] == 1]
     assert len(evidence) and set(evidence) == {"stats"}
     assert set(result.table()["evidence"][result.table()["step"] == 0]) == {"tensor"}
+
+
+@msprobe
+@pytest.mark.slow  # real PI0 small under msprobe's PrecisionDebugger, in a child process
+def test_msprobe_dumps_of_real_pi0_with_infinite_statistics_are_read(tmp_path):
+    """msprobe writes Infinity / -Infinity / NaN into dump.json (PI0's attention masks hold -2.4e38,
+    so their means are -inf): the reader takes them, and the dump compares against itself."""
+    import subprocess
+    import sys
+
+    script = ("import sys; from pi0align.testing.scenarios import dump_pi0_with_msprobe; "
+              "dump_pi0_with_msprobe(sys.argv[1])")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    dump_json = next((tmp_path / "msprobe").glob("step*/rank*/dump.json"))
+    text = dump_json.read_text()
+    assert "Infinity" in text or "NaN" in text  # what orjson refuses
+    result = compare_dumps(tmp_path / "msprobe", tmp_path / "msprobe")
+    assert result.verdict == "aligned" and result.coverage["matched"] > 1000 and not result.culprits
+    assert (result.rows["pairing"] == "matched").all()

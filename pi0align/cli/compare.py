@@ -44,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     judging.add_argument("--calibrate", metavar=("A1", "A2"), nargs=2,
                          help="thresholds from the noise floor of two same-seed runs on one device "
                               "(over --thresholds; --threshold still wins)")
+    judging.add_argument("--noise", metavar="REF",
+                         help="noise reference: A's run again with every result moved by an ulp "
+                              "(`pi0align run --perturb-ulps 1`); each record's limits follow how far REF is from A")
+    judging.add_argument("--no-replay", action="store_true",
+                         help="do not replay calls in float64 (replay runs where both dumps hold full tensors)")
     parser.add_argument("--steps", type=parse_steps,
                         help="compare only these steps, e.g. 0,3,5-7 (default: every step both dumps hold)")
 
@@ -75,7 +80,7 @@ def main(args: argparse.Namespace) -> int:
     thresholds = load_thresholds(None, overrides, base=thresholds)
     with progress_bar(status, "comparing") as progress:
         comparison = compare_dumps(args.dump_a, args.dump_b, thresholds=thresholds, steps=args.steps,
-                                   progress=progress)
+                                   progress=progress, noise=args.noise, replay=not args.no_replay)
 
     print_summary(comparison, console, top=args.top)
     written = []

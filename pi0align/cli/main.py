@@ -19,6 +19,7 @@ COMMANDS = {
     "make-dataset": ("pi0align.cli.make_dataset", "write a synthetic koch-like LeRobot dataset"),
     "prepare": ("pi0align.cli.prepare", "fetch or check the weights, tokenizer and dataset a real run needs"),
     "compare": ("pi0align.cli.compare", "align two dumps, measure, judge and name the call that introduced the error"),
+    "replay": ("pi0align.cli.replay", "replay one dumped call in float64 and print each side's local error"),
 }
 
 

@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     dump.add_argument("--dump-mode", choices=DUMP_MODES, default="stats", help="(default: %(default)s)")
     dump.add_argument("--dump-include", action="append", default=[], metavar="PATTERN", help="only matching names")
     dump.add_argument("--dump-exclude", action="append", default=[], metavar="PATTERN", help="skip matching names")
+    dump.add_argument("--perturb-ulps", type=int, default=0, metavar="N",
+                      help="make this run a noise reference for `compare --noise`: move every floating result by "
+                           "up to N ulps at random (seeded by --seed); not a run to keep")
 
 
 def config_from_args(args):
@@ -95,13 +98,18 @@ def parse_steps(text: str) -> list[int]:
     return steps
 
 
-def make_dumper(args, out: Path):
+def make_dumper(args, out: Path, seed: int):
+    if args.perturb_ulps < 0:
+        raise UserError("--perturb-ulps must not be negative")
     if args.dump_steps is None:
+        if args.perturb_ulps:
+            raise UserError("--perturb-ulps makes a noise reference to compare against: it needs --dump-steps")
         return None
     from pi0align.dump import Dumper
 
     return Dumper(out / "dump.h5", steps=parse_steps(args.dump_steps), level=args.dump_level, mode=args.dump_mode,
-                  include=args.dump_include or None, exclude=args.dump_exclude or None)
+                  include=args.dump_include or None, exclude=args.dump_exclude or None,
+                  perturb_ulps=args.perturb_ulps, perturb_seed=seed)
 
 
 def main(args) -> int:
@@ -119,7 +127,7 @@ def main(args) -> int:
     config, resume_from = config_from_args(args)
     validate(config)
     config.out = Path(config.out or default_out_dir(config))
-    summary = train(config, dumper=make_dumper(args, config.out), resume_from=resume_from)
+    summary = train(config, dumper=make_dumper(args, config.out, config.seed), resume_from=resume_from)
     for line in summary_lines(summary):
         print(line)
     print(f"run folder: {summary['out']}")

@@ -28,6 +28,25 @@ def manifest_diff(a: dict, b: dict) -> list[tuple[str, Any, Any]]:
     return [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
 
 
+def numerics_notes(a: dict, b: dict) -> list[str]:
+    """What each accelerator run's numerics switches do to float32 (TF32 / HF32): expected
+    differences from a run without them, not bugs."""
+    notes = []
+    for side, manifest in (("A", a), ("B", b)):
+        device, switches = manifest.get("device"), manifest.get("numerics") or {}
+        if device == "cuda" and switches.get("cudnn_allow_tf32"):
+            notes.append(f"{side} ran on cuda with torch.backends.cudnn.allow_tf32 = True (PyTorch's default): "
+                         "cuDNN may compute float32 convolutions on TF32 inputs (SigLIP's patch embedding is one); "
+                         "set it False to compare float32 with float32")
+        if device == "cuda" and switches.get("cuda_matmul_allow_tf32"):
+            notes.append(f"{side} ran on cuda with torch.backends.cuda.matmul.allow_tf32 = True: float32 matmuls "
+                         "on TF32 inputs")
+        if device == "npu" and (switches.get("npu_matmul_allow_hf32") or switches.get("npu_conv_allow_hf32")):
+            notes.append(f"{side} ran on npu with HF32 allowed (torch.npu.matmul/conv.allow_hf32): float32 "
+                         "matmuls or convolutions on HF32 inputs")
+    return notes
+
+
 def manifest_notes(diff: list[tuple[str, Any, Any]]) -> list[str]:
     notes = []
     for key, va, vb in diff:

@@ -76,17 +76,38 @@ def _read(f: h5py.File, path: Path, steps: set[int] | None) -> Dump:
         stacks.update(step_stacks)
     records = Table.concat(tables) if tables else no_records()
 
+    # Opened once each: a step's tensor group (an external link, a file to open) and its datasets,
+    # which the metrics and the replay both read.
+    groups: dict[tuple[int, str], h5py.Group] = {}
+    datasets: dict[tuple[int, str], object] = {}
+
     def tensor_reader(step: int, tensor: str):
-        ds = f["steps"][f"{step:06d}"][tensor]
-        return Bfloat16Array(ds) if _text(ds.attrs.get("dtype", "")) == "bfloat16" else ds
+        found = datasets.get((step, tensor))
+        if found is None:
+            folder, _, name = tensor.rpartition("/")
+            group = groups.get((step, folder))
+            if group is None:
+                step_group = f["steps"][f"{step:06d}"]
+                group = groups[(step, folder)] = step_group[folder] if folder else step_group
+            ds = group[name]
+            found = datasets[(step, tensor)] = Bfloat16Array(ds) if _text(ds.attrs.get("dtype", "")) == "bfloat16" else ds
+        return found
 
     def sample_reader(step: int) -> tuple[np.ndarray, np.ndarray]:
         samples = f["steps"][f"{step:06d}"]["samples"]
         return samples["values"][()], samples["positions"][()]
 
+    args_of_step: dict[int, np.ndarray] = {}
+
+    def args_reader(step: int, call: int) -> str:
+        if step not in args_of_step:
+            args_of_step[step] = _column(f["steps"][f"{step:06d}"]["calls"], "args")  # indexed by call_id
+        return str(args_of_step[step][call])
+
     return Dump(source=str(path), mode=_text(f.attrs.get("mode", "stats")), rank=rank,
                 records=records, metrics=_metrics(f), manifest=_manifest(f), stacks=stacks,
-                tensor_reader=tensor_reader, sample_reader=sample_reader, notes=notes, close=f.close)
+                tensor_reader=tensor_reader, sample_reader=sample_reader, args_reader=args_reader, notes=notes,
+                close=f.close)
 
 
 def _text(value) -> str:

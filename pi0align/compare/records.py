@@ -50,6 +50,8 @@ class Dump:
     tensor_reader: Callable[[int, str], Any] | None = None
     # (step) -> (values, positions) float64 / int32-or-int64 arrays, shape (n_records_of_step, sample_size)
     sample_reader: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None
+    # (step, call) -> the call's non-tensor arguments as recorded (`calls/args` JSON), for replay
+    args_reader: Callable[[int, int], str] | None = None
     notes: list[str] = field(default_factory=list)
     close: Callable[[], None] = lambda: None
 

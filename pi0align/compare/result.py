@@ -33,6 +33,9 @@ ROW_COLUMNS = [
     "stack",  # str: "file:line function" of the call site, innermost, "" when unknown
     "rank",  # int: the rank both records come from (ranks pair by number)
     "severity",  # float: largest judged error / its threshold (> 1 fails), NaN when not judged
+    "local_error_a", "local_error_b",  # float: replay, a result's error against float64 from its side's own inputs
+    "replay",  # str: why the call was not replayed ("" when it was, or when there was nothing to replay)
+    "over_dtype_limits",  # bool: the pair exceeds the fixed dtype limits (noise models may still pass it)
 ]
 
 
@@ -55,6 +58,11 @@ class Culprit(CallRef):
     input_error: float = float("nan")
     output_error: float = float("nan")
     metric: str = "rel_l2_err"  # which error measure introduced_error is a ratio of
+    evidence: str = "intrinsic"  # the noise model that judged it: "replay" | "reference" | "intrinsic"
+    wrong_side: str = ""  # replay: "B" (the run under test) or "A" (the benchmark) is the wrong one
+    local_error_a: float = float("nan")  # replay: each side's error against float64 from its own inputs
+    local_error_b: float = float("nan")
+    local_ratio: float = float("nan")  # replay: the wrong side's local error over the other's (floored)
 
 
 class TableField:
@@ -96,6 +104,13 @@ class Comparison:
     manifest_diff: list[tuple[str, Any, Any]]  # (dotted key, value in a, value in b)
     notes: list[str] = field(default_factory=list)  # e.g. "initial weights differ"
     first_divergence_backward: CallRef | None = None  # the same search over backward calls
+    noise_model: str = "intrinsic"  # the best evidence that judged the run: "replay" | "reference" | "intrinsic"
+    rows_over_dtype_limits: int = 0  # pairs beyond the fixed dtype limits, whatever the noise model says
+
+    @property
+    def within_noise(self) -> bool:
+        """Aligned, with pairs beyond the fixed dtype limits that the noise model explains."""
+        return self.verdict == "aligned" and self.rows_over_dtype_limits > 0
 
     def table(self, name: str = "rows") -> Table:
         """`rows`, `metrics_a` or `metrics_b` as a Table, without pandas unless a DataFrame is

@@ -1,10 +1,9 @@
-"""Which call introduced the error: error out of a call over error into it.
+"""Per call: the error into it, out of it, and introduced by it (out over in); the first
+divergence and the culprits, from the calls that judge.py finds guilty.
 
-Error propagates, so once one call diverges every later call does too. A call is to blame when
-its inputs agree (pass) and its outputs do not (fail); a call that amplifies an incoming error
-by AMPLIFICATION or more is listed too. Forward calls are searched in execution order, backward
-calls in the order autograd ran them. A module call is blamed only when no blamed call ran inside
-it: its error is then explained by its own code, not by a call it made (mix level records both).
+Error propagates, so once one call diverges every later call does too: a call introduces error
+when its inputs agree (pass) and its outputs do not (fail), or when it amplifies what it receives.
+Forward calls are searched in execution order, backward calls in the order autograd ran them.
 """
 
 from __future__ import annotations
@@ -13,16 +12,17 @@ from collections.abc import Callable
 
 import numpy as np
 
+from pi0align.compare.judge import Judgement, innermost
 from pi0align.compare.records import INPUT_ROLES, OUTPUT_ROLES
 from pi0align.compare.result import CallRef, Culprit
 from pi0align.compare.table import Groups, Table, isin, lookup
-from pi0align.compare.thresholds import UNIT_ROUNDOFF, looser_classes
+from pi0align.compare.thresholds import UNIT_ROUNDOFF, dtype_class, looser_classes
 
 STATS_ERRORS = ["norm_rel_err", "mean_val_rel_err", "min_rel_err", "max_val_rel_err"]
-AMPLIFICATION = 10.0
 MAX_CULPRITS = 100
 CALL_COLUMNS = ["rank", "step", "direction", "seq_a", "name", "module", "api", "input_error", "output_error",
-                "inputs_pass", "outputs_fail", "introduced_error", "metric"]
+                "inputs_pass", "outputs_fail", "introduced_error", "metric",
+                "local_error_a", "local_error_b", "unit_a", "unit_b", "replay", "args_differ", "inputs_identical", "outputs_differ"]
 
 
 def row_error(rows: Table) -> tuple[np.ndarray, np.ndarray]:
@@ -58,6 +58,17 @@ def call_errors(rows: Table) -> Table:
         "inputs_fail": groups.any(is_in & fail), "outputs_fail": groups.any(is_out & fail),
         "floor": groups.max(np.where(is_out, floor, 0.0)),
         "metric": groups.max_text(np.where(is_out, metric, "").astype(object)),
+        # replay (replayed.py): each side's largest local error over the call's results, the unit
+        # roundoff of its result dtypes, and why it was not replayed
+        "local_error_a": groups.max(np.where(is_out, judged["local_error_a"].astype(np.float64), np.nan)),
+        "local_error_b": groups.max(np.where(is_out, judged["local_error_b"].astype(np.float64), np.nan)),
+        "unit_a": groups.max(np.where(is_out, _units(judged["dtype_a"]), 0.0)),
+        "unit_b": groups.max(np.where(is_out, _units(judged["dtype_b"]), 0.0)),
+        "replay": groups.max_text(np.where(is_out, judged["replay"], "").astype(object)),
+        "args_differ": groups.any(judged["args_differ"].astype(bool)),
+        # exact evidence: every input holds the same bits on both sides, some output does not
+        "inputs_identical": ~groups.any(is_in & ~judged["identical"].astype(bool)),
+        "outputs_differ": groups.any(is_out & ~judged["identical"].astype(bool)),
     })
     _add_saved_tensors(calls)
     calls = calls.take(np.isfinite(calls["output_error"]))  # calls with no judged output introduce nothing
@@ -66,6 +77,12 @@ def call_errors(rows: Table) -> Table:
     with np.errstate(over="ignore"):
         calls["introduced_error"] = calls["output_error"] / denominator
     return calls.select(CALL_COLUMNS).take(np.lexsort((calls["rank"], calls["seq_a"], calls["step"])))
+
+
+def _units(dtypes: np.ndarray) -> np.ndarray:
+    """Unit roundoff of each dtype name ("" = none: 0)."""
+    table = {d: UNIT_ROUNDOFF[dtype_class(d)] if d else 0.0 for d in set(dtypes.tolist())}
+    return np.array([table[d] for d in dtypes.tolist()], np.float64)
 
 
 def _add_saved_tensors(calls: Table) -> None:
@@ -79,47 +96,36 @@ def _add_saved_tensors(calls: Table) -> None:
     saved_error = np.maximum(forward["input_error"][source], forward["output_error"][source])
     calls["input_error"][backward] = np.fmax(calls["input_error"][backward], saved_error)
     calls["inputs_fail"][backward] |= forward["inputs_fail"][source] | forward["outputs_fail"][source]
+    calls["inputs_identical"][backward] &= forward["inputs_identical"][source] & ~forward["outputs_differ"][source]
 
 
-def first_divergence(calls: Table, direction: str, stack_of: Callable[[int, int, int], list[str]],
-                     inputs_must_pass: bool = True) -> CallRef | None:
-    """First call of `direction` (in execution order) whose outputs fail and whose inputs pass
-    (or, with inputs_must_pass=False, whatever its inputs)."""
-    selected = calls["outputs_fail"] & (calls["inputs_pass"] | (not inputs_must_pass))
-    candidates = np.flatnonzero((calls["direction"] == direction) & _innermost(calls, selected))
+def first_divergence(calls: Table, guilty: np.ndarray, direction: str,
+                     stack_of: Callable[[int, int, int], list[str]]) -> CallRef | None:
+    """First call of `direction` in execution order among `guilty`."""
+    candidates = np.flatnonzero((calls["direction"] == direction) & guilty)
     if not len(candidates):
         return None
     return _ref(CallRef, calls, candidates[0], stack_of)
 
 
-def culprits(calls: Table, stack_of: Callable[[int, int, int], list[str]]) -> list[Culprit]:
-    """Calls that introduce error, earliest step first, most guilty first within a step."""
-    guilty = np.flatnonzero(_innermost(calls, calls["outputs_fail"]
-                                       & (calls["inputs_pass"] | (calls["introduced_error"] >= AMPLIFICATION))))
-    guilty = guilty[np.lexsort((-calls["introduced_error"][guilty], calls["step"][guilty]))][:MAX_CULPRITS]
-    return [_ref(Culprit, calls, i, stack_of, introduced_error=float(calls["introduced_error"][i]),
-                 input_error=float(calls["input_error"][i]), output_error=float(calls["output_error"][i]),
-                 metric=str(calls["metric"][i])) for i in guilty]
+def first_failing(calls: Table, direction: str, stack_of: Callable[[int, int, int], list[str]]) -> CallRef | None:
+    """First call of `direction` whose outputs fail, whatever its inputs (the innermost module)."""
+    return first_divergence(calls, innermost(calls, calls["outputs_fail"]), direction, stack_of)
 
 
-def _innermost(calls: Table, selected: np.ndarray) -> np.ndarray:
-    """`selected` without the module calls inside which another selected call ran.
-
-    A module invocation at path P spans the later calls (same rank, step, direction) made in P or
-    below it, up to the first call elsewhere or P's next invocation. `calls` is in execution order.
-    """
-    module_api = np.char.startswith(calls["api"].astype(str), "Module.")
-    keep = selected.copy()
-    modules = calls["module"].astype(str)
-    for i in np.flatnonzero(selected & module_api):
-        path, seq = modules[i], calls["seq_a"][i]
-        later = ((calls["rank"] == calls["rank"][i]) & (calls["step"] == calls["step"][i])
-                 & (calls["direction"] == calls["direction"][i]) & (calls["seq_a"] > seq))
-        inside = (modules == path) | np.char.startswith(modules, path + ".") if path else np.ones(len(modules), bool)
-        ends = later & (~inside | (module_api & (modules == path)))
-        end = calls["seq_a"][ends].min() if ends.any() else np.inf
-        keep[i] = not (later & inside & (calls["seq_a"] < end) & selected).any()
-    return keep
+def culprits(calls: Table, judgement: Judgement, stack_of: Callable[[int, int, int], list[str]]) -> list[Culprit]:
+    """The guilty calls, earliest step first, then forward before backward (a faulty kernel's
+    backward inherits its forward's fault), most blame first."""
+    guilty = np.flatnonzero(judgement.culprit)
+    backward = calls["direction"][guilty] == "backward"
+    guilty = guilty[np.lexsort((-judgement.blame[guilty], backward, calls["step"][guilty]))][:MAX_CULPRITS]
+    number = lambda column, i: float(calls[column][i])
+    return [_ref(Culprit, calls, i, stack_of, introduced_error=number("introduced_error", i),
+                 input_error=number("input_error", i), output_error=number("output_error", i),
+                 metric=str(calls["metric"][i]), evidence=str(judgement.evidence[i]),
+                 wrong_side=str(judgement.wrong_side[i]), local_error_a=number("local_error_a", i),
+                 local_error_b=number("local_error_b", i), local_ratio=float(judgement.blame[i])
+                 if judgement.evidence[i] == "replay" else float("nan")) for i in guilty]
 
 
 def _ref(cls, calls: Table, i: int, stack_of, **extra):

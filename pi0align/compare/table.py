@@ -176,6 +176,18 @@ class Groups:
         ufunc = np.fmin if values.dtype.kind == "f" else np.minimum
         return ufunc.reduceat(values[self.order], self.starts)
 
+    def median(self, values: np.ndarray) -> np.ndarray:
+        """Median of each group's values, NaN ignored (NaN where all are NaN)."""
+        if not len(self):
+            return np.zeros(0)
+        parts = np.split(values[self.order].astype(np.float64), self.starts[1:])
+        with np.errstate(all="ignore"):
+            return np.array([np.nan if np.isnan(p).all() else np.nanmedian(p) for p in parts])
+
+    def count(self) -> np.ndarray:
+        """Rows in each group."""
+        return np.diff(np.append(self.starts, len(self.order)))
+
     def any(self, values: np.ndarray) -> np.ndarray:
         if not len(self):
             return np.zeros(0, bool)

@@ -11,25 +11,41 @@ from pi0align.compare.thresholds import JUDGED_ERRORS, looser_classes
 JUDGED_PAIRINGS = ("matched", "realigned", "dtype_mismatch")  # shape mismatches cannot be compared
 
 
-def severity(rows: Table, thresholds: dict) -> np.ndarray:
-    """Largest judged error over its limit per row (> 1 fails); NaN when nothing was judged.
+JUDGED = (*JUDGED_ERRORS, "cosine")  # cosine is judged as 1 - cosine against 1 - its limit
+
+
+def metric_errors(rows: Table) -> dict[str, np.ndarray]:
+    """Each judged error per row (for cosine: 1 - cosine); NaN where not measured."""
+    errors = {m: rows[m].astype(np.float64) for m in JUDGED_ERRORS}
+    errors["cosine"] = 1.0 - rows["cosine"].astype(np.float64)
+    return errors
+
+
+def metric_limits(rows: Table, thresholds: dict) -> dict[str, np.ndarray]:
+    """Each judged error's limit per row (cosine: 1 - limit), NaN where the pair is not judged.
     A pair of two dtypes is judged by the looser one's thresholds."""
-    result = np.full(len(rows), np.nan)
     judged = isin(rows["pairing"], JUDGED_PAIRINGS)
     classes = np.where(judged, looser_classes(rows["dtype_a"], rows["dtype_b"]), "")
+    limits = {m: np.full(len(rows), np.nan) for m in JUDGED}
     for cls in set(classes[judged]):
         mask = classes == cls
-        limits = thresholds[cls]
-        ratios = [relative(rows[m][mask].astype(np.float64), np.full(mask.sum(), limits[m]))
-                  for m in JUDGED_ERRORS]
-        ratios.append(relative(1.0 - rows["cosine"][mask].astype(np.float64),
-                               np.full(mask.sum(), 1.0 - limits["cosine"])))
-        stacked = np.vstack(ratios)
-        with np.errstate(invalid="ignore"):
-            any_value = ~np.isnan(stacked).all(axis=0)
-            result[mask] = np.where(any_value, np.nanmax(np.where(np.isnan(stacked), -np.inf, stacked), axis=0),
-                                    np.nan)
-    return result
+        for m in JUDGED_ERRORS:
+            limits[m][mask] = thresholds[cls][m]
+        limits["cosine"][mask] = 1.0 - thresholds[cls]["cosine"]
+    return limits
+
+
+def metric_ratios(errors: dict[str, np.ndarray], limits: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each judged error over its limit per row; NaN where not measured or not judged."""
+    return {m: np.where(np.isnan(limits[m]), np.nan, relative(errors[m], np.nan_to_num(limits[m]))) for m in JUDGED}
+
+
+def severity(ratios: dict[str, np.ndarray]) -> np.ndarray:
+    """Largest judged error over its limit per row (> 1 fails); NaN when nothing was judged."""
+    stacked = np.vstack(list(ratios.values()))
+    with np.errstate(invalid="ignore"):
+        any_value = ~np.isnan(stacked).all(axis=0)
+        return np.where(any_value, np.nanmax(np.where(np.isnan(stacked), -np.inf, stacked), axis=0), np.nan)
 
 
 def verdicts(rows: Table, severities: np.ndarray, thresholds: dict) -> np.ndarray:

@@ -16,6 +16,7 @@ from pi0align.dump.capture import LEVELS, Capture
 from pi0align.dump.file_format import WRITE_ERRORS
 from pi0align.dump.kernel import KERNEL
 from pi0align.dump.manifest import build_manifest
+from pi0align.dump.perturb import UlpPerturbation
 from pi0align.dump.sampling import Sampler
 from pi0align.dump.stats import ChecksumWeights, StatsWorker
 from pi0align.dump.steplog import Filter, StepLog
@@ -44,18 +45,24 @@ class Dumper:
     include, exclude: fnmatch patterns over record names (`module.path/API#k`).
     manifest: run facts to store (seed, seed_impl, config, dataset_fingerprint, git_commit, ...).
     compress: compress the full tensors of tensor mode (shuffle + Zstandard, docs/dump-format.md).
+    perturb_ulps: 0, or make this run a noise reference: while the dumper is started, every
+        floating result of every torch call (and the gradient flowing back into it) is moved by up
+        to this many ulps at random, drawn from a generator seeded with `perturb_seed`
+        (`perturb.py`; `pi0align compare A B --noise REF`). Not a training run to keep.
     """
 
     def __init__(self, path: str | os.PathLike, steps: Iterable[int] | None = None, level: str = "mix",
                  mode: str = "stats", ranks: Iterable[int] | None = None, include: list[str] | None = None,
                  exclude: list[str] | None = None, sample_size: int = 256, manifest: dict | None = None,
-                 compress: bool = True) -> None:
+                 compress: bool = True, perturb_ulps: int = 0, perturb_seed: int = 0) -> None:
         if level not in LEVELS:
             raise UserError(f"dump level must be one of {', '.join(LEVELS)}, not {level!r}")
         if mode not in MODES:
             raise UserError(f"dump mode must be one of {', '.join(MODES)}, not {mode!r}")
         if sample_size < 1:
             raise UserError(f"dump sample size must be at least 1, not {sample_size}")
+        if perturb_ulps < 0:
+            raise UserError(f"perturb_ulps must not be negative, not {perturb_ulps}")
         self.path = Path(path)
         self.steps = None if steps is None else frozenset(int(s) for s in steps)
         self.level, self.mode, self.sample_size = level, mode, sample_size
@@ -63,6 +70,10 @@ class Dumper:
         self._filter = Filter(include, exclude)
         self._manifest = manifest
         self._compress = compress
+        self.perturb_ulps = int(perturb_ulps)
+        # beneath the capture's own mode, so that the capture records the moved results
+        self._perturbation = UlpPerturbation(perturb_ulps, perturb_seed) if perturb_ulps else None
+        self._perturbing = False
         self._step = 0
         self._model: torch.nn.Module | None = None
         self._created = False  # the dump file exists: a later start() appends to it
@@ -117,6 +128,9 @@ class Dumper:
         if self._writer is None:
             self._open_writer()
         self._started = True
+        if self._perturbation is not None and not self._perturbing:
+            self._perturbation.__enter__()
+            self._perturbing = True
         self._follow_selection()
         return self
 
@@ -178,8 +192,8 @@ class Dumper:
                     "sample_size": self.sample_size if self.mode == "sample" else 0,
                     "cpu_stats": KERNEL.status, "observer": KERNEL.observer_status,
                 }
-                file_format.create(self.file, attrs, build_manifest(self._model, self._rank, self._world_size,
-                                                                    self._manifest))
+                manifest = {**(self._manifest or {}), "perturb_ulps": self.perturb_ulps}
+                file_format.create(self.file, attrs, build_manifest(self._model, self._rank, self._world_size, manifest))
                 self._created = True
             self._writer = DumpWriter(self.file, tensors=self.mode == "tensor", compress=self._compress)
         except WRITE_ERRORS as error:
@@ -207,8 +221,12 @@ class Dumper:
             self._capture.begin_step(log)
 
     def _uninstall(self) -> None:
+        """Remove the capture's hooks, then the perturbation beneath them."""
         if self._capture is not None and self._capture.installed:
             self._capture.remove()
+        if self._perturbing and not self._started:
+            self._perturbation.__exit__(None, None, None)
+            self._perturbing = False
 
     def _end_step(self) -> None:
         """Hand the current step to the writer process (its tables if it captured anything)."""
@@ -224,8 +242,8 @@ class Dumper:
         try:
             yield
         except WRITE_ERRORS as error:
-            self._uninstall()
             self._started = False
+            self._uninstall()
             raise UserError(f"cannot write the dump file {self.file}: {_reason(error)}") from None
 
     def _write(self, log: StepLog | None) -> None:
@@ -253,4 +271,5 @@ def _reason(error: Exception) -> str:
     """The operating system's words for it (h5py buries them in a longer message)."""
     text = getattr(error, "strerror", None) or str(error)
     found = re.search(r"error message = '([^']*)'", text)
-    return found.group(1) if found else text.splitlines()[0]
+    lines = text.splitlines()
+    return found.group(1) if found else lines[0] if lines else type(error).__name__

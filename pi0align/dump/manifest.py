@@ -8,7 +8,7 @@ import sys
 import torch
 
 from pi0align.device import Device
-from pi0align.provenance import versions, weights_sha256
+from pi0align.provenance import numerics, versions, weights_sha256
 
 _KEYS = ("seed", "seed_impl", "config", "dataset_fingerprint", "git_commit")
 
@@ -25,6 +25,7 @@ def build_manifest(model: torch.nn.Module | None, rank: int, world_size: int, gi
         "world_size": world_size,
         "rank": rank,
         "versions": versions(),
+        "numerics": numerics(),
         "weights_sha256": None,
         "argv": sys.argv,
         **{key: None for key in _KEYS},

@@ -45,8 +45,11 @@ def print_summary(comparison: Comparison, console: Console, *, top: int = 10) ->
 def _verdict_panel(comparison: Comparison) -> Panel:
     aligned = comparison.verdict == "aligned"
     counts = verdict_counts(comparison)
+    headline = "ALIGNED WITHIN NOISE" if comparison.within_noise else comparison.verdict.upper()
     lines = [
-        Text(comparison.verdict.upper(), style="bold green" if aligned else "bold red"),
+        Text(headline, style="bold green" if aligned else "bold red"),
+        Text(f"judged by: {comparison.noise_model} · {comparison.rows_over_dtype_limits} rows beyond the fixed "
+             "dtype limits"),
         Text(f"A (benchmark):  {comparison.source_a}\nB (under test): {comparison.source_b}"),
         Text(coverage_text(comparison.coverage)),
         Text(f"rows: {counts['pass']} pass · {counts['warn']} warn · {counts['fail']} fail · {counts['n/a']} n/a"),
@@ -70,15 +73,18 @@ def _culprit_table(comparison: Comparison, top: int) -> Table:
     table = Table(title=f"top culprits ({min(top, len(comparison.culprits))} of {len(comparison.culprits)})",
                   title_justify="left")
     # Numbers never wrap; on a narrow terminal the call (module, API, call site) does.
-    for column in ("#", "step", "rank", "direction", "introduced", "in err", "out err"):
-        table.add_column(column, justify="left" if column == "direction" else "right", no_wrap=True)
+    for column in ("#", "step", "rank", "direction", "judged by", "introduced", "in err", "out err"):
+        table.add_column(column, justify="left" if column in ("direction", "judged by") else "right", no_wrap=True)
     table.add_column("call (module · API, call site)", overflow="fold")
     for place, culprit in enumerate(comparison.culprits[:top], start=1):
         call = Text.assemble((culprit.module or "(top level)", "bold"), " · ", culprit.api)
+        if culprit.evidence == "replay":
+            call.append(f"\nlocal error A {format_number(culprit.local_error_a)} · B {format_number(culprit.local_error_b)}"
+                        f" ({culprit.wrong_side} wrong, {format_number(culprit.local_ratio)}×)", style="magenta")
         if culprit.stack:
             call.append("\nat " + innermost_frame(culprit.stack), style="cyan")
         table.add_row(
-            str(place), str(culprit.step), str(culprit.rank), culprit.direction,
+            str(place), str(culprit.step), str(culprit.rank), culprit.direction, culprit.evidence,
             format_number(culprit.introduced_error), format_number(culprit.input_error),
             format_number(culprit.output_error), call,
         )

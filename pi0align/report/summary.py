@@ -56,6 +56,8 @@ def summary(comparison: Comparison) -> dict[str, Any]:
     return {
         "schema_version": JSON_SCHEMA_VERSION,
         "verdict": comparison.verdict,
+        "noise_model": comparison.noise_model,
+        "rows_over_dtype_limits": comparison.rows_over_dtype_limits,
         "source_a": comparison.source_a,
         "source_b": comparison.source_b,
         "coverage": json_safe(comparison.coverage),

@@ -1,0 +1,88 @@
+"""`pi0align replay DUMP NAME [--against OTHER]`: replay one dumped call in float64 on the CPU and
+print each side's local error (its results against the float64 result of its own inputs).
+
+Exit code: 0 (no side wrong), 1 (a side's local error is beyond the other's, as compare judges
+it), 2 bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pi0align.cli.compare import parse_steps
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dump", metavar="DUMP", help="a tensor-mode pi0align dump file or run folder")
+    parser.add_argument("name", metavar="NAME", help="the call's name, e.g. 'model.layers.1.mlp/Functional.gelu#0'")
+    parser.add_argument("--against", metavar="OTHER", help="the other run's dump: replay its call of that name too")
+    parser.add_argument("--step", type=parse_steps, help="the step (default: the first that holds the call)")
+    parser.add_argument("--direction", choices=("forward", "backward"), default="forward", help="(default: %(default)s)")
+    parser.add_argument("--rank", type=int, default=0, help="the rank, in a run folder of several (default: 0)")
+
+
+def main(args: argparse.Namespace) -> int:
+    import numpy as np
+    from rich.console import Console
+    from rich.table import Table
+
+    from pi0align.compare.judge import replay_floor, replay_ratio_limit
+    from pi0align.compare.open_dump import open_run
+    from pi0align.compare.replayed import RecordedCalls
+    from pi0align.compare.thresholds import UNIT_ROUNDOFF, dtype_class
+    from pi0align.errors import UserError
+    from pi0align.replay import replay
+    from pi0align.report.formatting import format_number
+
+    if args.step is not None and len(args.step) != 1:
+        raise UserError("--step takes one step")
+    step = args.step[0] if args.step else None
+    paths = [args.dump] + ([args.against] if args.against else [])
+    results, units = [], []
+    for path in paths:
+        runs = open_run(path, None if step is None else {step})
+        try:
+            if args.rank not in runs:
+                raise UserError(f"{path} has no rank {args.rank} (ranks: {', '.join(map(str, sorted(runs)))})")
+            dump = runs[args.rank]
+            if dump.mode != "tensor":
+                raise UserError(f"{path}: a {dump.mode}-mode dump: replay needs full tensors (--dump-mode tensor)")
+            calls = RecordedCalls(dump)
+            found = calls.find(args.name, step, args.direction)
+            if found is None:
+                raise UserError(f"{path}: no {args.direction} call named {args.name!r}"
+                                + (f" at step {step}" if step is not None else ""))
+            step = found[0]
+            recorded = calls.recorded(*found, args.direction)
+            if isinstance(recorded, str):
+                raise UserError(f"{path}: {args.name} cannot be replayed: {recorded}")
+            result = replay(recorded)
+            if not result:
+                raise UserError(f"{path}: {args.name} cannot be replayed: {result.reason}")
+            records = dump.records
+            role = "output" if args.direction == "forward" else "grad_input"
+            mine = (records["step"] == found[0]) & (records["call"] == found[1]) & (records["role"] == role)
+            units.append(max((UNIT_ROUNDOFF[dtype_class(d)] for d in records["dtype"][mine].tolist()), default=0.0))
+            results.append(result)
+        finally:
+            for run in runs.values():
+                run.close()
+
+    console = Console()
+    table = Table(title=f"{args.name} · step {step} · {args.direction}: local error against float64", title_justify="left")
+    table.add_column("result", justify="right")
+    for label in ("A", "B")[:len(results)]:
+        table.add_column(f"{label} ({paths[0 if label == 'A' else 1]})", justify="right", overflow="fold")
+    for index in sorted(set().union(*(r.errors for r in results))):
+        table.add_row(str(index), *(format_number(r.errors.get(index, float("nan"))) for r in results))
+    console.print(table)
+    if len(results) < 2:
+        console.print(f"unit roundoff of the result dtype: {format_number(units[0])}")
+        return 0
+    e_a, e_b = results[0].error, results[1].error
+    u_a, u_b = np.array([units[0]]), np.array([units[1]])
+    b_wrong = e_b > replay_ratio_limit(u_b)[0] * e_a + replay_floor(u_b)[0]
+    a_wrong = not b_wrong and e_a > replay_ratio_limit(u_a)[0] * e_b + replay_floor(u_a)[0]
+    verdict = "B is wrong" if b_wrong else "A is wrong" if a_wrong else "both within noise of each other"
+    console.print(f"verdict: {verdict}", style="bold red" if b_wrong or a_wrong else "bold green")
+    return 1 if b_wrong or a_wrong else 0

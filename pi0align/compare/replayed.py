@@ -1,0 +1,140 @@
+"""Each side's local error per call, from the replay part (pi0align/replay, imported here only:
+the one place a comparison imports torch), for dumps that hold full tensors.
+
+For every paired forward or backward API call, each side's own recorded inputs (and, backward,
+its own incoming gradients) are replayed in float64 on the CPU; the local error of each result is
+written on its row (`local_error_a`, `local_error_b`), and why a call was not replayed in `replay`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+
+from pi0align.compare.records import Dump
+from pi0align.compare.table import Table, isin
+
+RESULT_ROLES = {"forward": "output", "backward": "grad_input"}
+_CACHE_BYTES = 256 << 20  # decoded tensors kept per side: a call's inputs are mostly recent outputs
+
+
+def local_errors(rows: Table, a: Dump, b: Dump, ia: np.ndarray, ib: np.ndarray, judged: np.ndarray,
+                 advance: Callable[[], None]) -> dict[str, np.ndarray]:
+    """Columns local_error_a, local_error_b (NaN where not replayed) and replay (why not, "")."""
+    from pi0align.replay import replay
+
+    n = len(rows)
+    columns = {"local_error_a": np.full(n, np.nan), "local_error_b": np.full(n, np.nan),
+               "replay": np.full(n, "", dtype=object)}
+    direction, role = rows["direction"], rows["role"]
+    result_row = judged & (ia >= 0) & (ib >= 0) & (
+        ((direction == "forward") & (role == "output")) | ((direction == "backward") & (role == "grad_input")))
+    sides = (RecordedCalls(a), RecordedCalls(b))
+    calls_a, calls_b = a.records["call"], b.records["call"]
+    groups: dict[tuple, list[int]] = {}
+    for row in np.flatnonzero(result_row).tolist():
+        key = (int(rows["step"][row]), str(direction[row]), int(calls_a[ia[row]]), int(calls_b[ib[row]]))
+        groups.setdefault(key, []).append(row)
+    for (step, way, call_a, call_b), members in groups.items():
+        results = []
+        for side, call in zip(sides, (call_a, call_b)):
+            recorded = side.recorded(step, call, way)
+            results.append(recorded if isinstance(recorded, str) else replay(recorded))
+        reasons = [r if isinstance(r, str) else r.reason for r in results]
+        for row in members:
+            k = int(rows["arg_index"][row])
+            for column, result in zip(("local_error_a", "local_error_b"), results):
+                if not isinstance(result, str) and result:
+                    columns[column][row] = result.errors.get(k, np.nan)
+            columns["replay"][row] = _why_not(*reasons)
+        advance()
+    return columns
+
+
+def replayable_calls(rows: Table, judged: np.ndarray, ia: np.ndarray, ib: np.ndarray) -> int:
+    """How many calls `local_errors` will replay: one unit of progress each."""
+    direction, role = rows["direction"], rows["role"]
+    result_row = judged & (ia >= 0) & (ib >= 0) & isin(direction, RESULT_ROLES) & isin(role, RESULT_ROLES.values())
+    keys = set(zip(rows["step"][result_row].tolist(), direction[result_row].tolist(), ia[result_row].tolist()))
+    return len(keys)
+
+
+def _why_not(reason_a: str, reason_b: str) -> str:
+    if reason_a == reason_b:
+        return reason_a
+    return "; ".join(f"{side}: {reason}" for side, reason in (("A", reason_a), ("B", reason_b)) if reason)
+
+
+class RecordedCalls:
+    """One dump's records by call, and the tensors of a call read as numpy arrays."""
+
+    def __init__(self, dump: Dump):
+        self.dump = dump
+        records = dump.records
+        self.steps, self.calls = records["step"].astype(np.int64), records["call"].astype(np.int64)
+        self.records_of: dict[tuple[int, int], list[int]] = {}
+        for i, key in enumerate(zip(self.steps.tolist(), self.calls.tolist())):
+            self.records_of.setdefault(key, []).append(i)
+        self.forward_of: dict[tuple[int, str], int] = {}
+        for i in np.flatnonzero(records["direction"] == "forward").tolist():
+            self.forward_of.setdefault((int(self.steps[i]), str(records["name"][i])), int(self.calls[i]))
+        self.cache: OrderedDict[tuple[int, str], np.ndarray] = OrderedDict()
+        self.cached_bytes = 0
+
+    def find(self, name: str, step: int | None, direction: str) -> tuple[int, int] | None:
+        """(step, call) of the call named `name` in `direction`, at `step` or the first step that has it."""
+        records = self.dump.records
+        found = np.flatnonzero((records["name"] == name) & (records["direction"] == direction)
+                               & ((self.steps == step) if step is not None else True))
+        if not len(found):
+            return None
+        first = found[np.argmin(self.steps[found])]
+        return int(self.steps[first]), int(self.calls[first])
+
+    def recorded(self, step: int, call: int, direction: str):
+        """The RecordedCall of this side's call, or why there is none (a str)."""
+        from pi0align.replay import RecordedCall
+
+        if self.dump.args_reader is None:
+            return "arguments not recorded (not a pi0align dump)"
+        records = self.dump.records
+        own = self.records_of.get((step, call), [])
+        first = own[0]
+        forward = call if direction == "forward" else self.forward_of.get((step, str(records["name"][first])))
+        if forward is None:
+            return "forward call not dumped"
+        try:
+            inputs = self._tensors(step, forward, "input")
+            results = self._tensors(step, call, RESULT_ROLES[direction])
+            grad_outputs = self._tensors(step, call, "grad_output") if direction == "backward" else None
+        except LookupError as why:
+            return str(why)
+        return RecordedCall(api=str(records["api"][first]), args=self.dump.args_reader(step, forward),
+                            inputs=inputs, results=results, grad_outputs=grad_outputs)
+
+    def _tensors(self, step: int, call: int, role: str) -> dict[int, np.ndarray]:
+        records = self.dump.records
+        found = {}
+        for i in self.records_of.get((step, call), []):
+            if records["role"][i] != role:
+                continue
+            path = str(records["tensor"][i])
+            if not path:
+                raise LookupError(f"{role} {int(records['arg_index'][i])} not dumped in full")
+            found[int(records["arg_index"][i])] = self._read(step, path)
+        return found
+
+    def _read(self, step: int, path: str) -> np.ndarray:
+        key = (step, path)
+        if key in self.cache:
+            self.cache.move_to_end(key)
+            return self.cache[key]
+        array = np.asarray(self.dump.tensor_reader(step, path)[()])
+        self.cache[key] = array
+        self.cached_bytes += array.nbytes
+        while self.cached_bytes > _CACHE_BYTES and len(self.cache) > 1:
+            _, dropped = self.cache.popitem(last=False)
+            self.cached_bytes -= dropped.nbytes
+        return array

@@ -1,0 +1,129 @@
+"""Another device's numerics, emulated on the CPU: TorchFunctionModes to push *before* a Dumper
+(so that the dumper records what they return), and a fault in one call of one module.
+
+They imitate what differs between devices: results rounded differently (`UlpNoise`), matmul
+inputs rounded to TF32 (`Tf32Matmuls`, what `allow_tf32` and Ascend's HF32 do), one kernel a few
+percent off (`Fault`). They are independent of pi0align's own noise reference (dump/perturb.py):
+`UlpNoise` moves forward results only, the reference moves gradients too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch.overrides import TorchFunctionMode
+
+_quiet = torch._C.DisableTorchFunction
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+MATMUL_FAMILY = frozenset({F.linear, torch.matmul, torch.Tensor.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+                           torch.einsum, F.conv1d, F.conv2d, F.conv3d, torch.Tensor.__matmul__,
+                           F.scaled_dot_product_attention})
+
+
+class UlpNoise(TorchFunctionMode):
+    """Every fresh floating result moved by a random whole number of ulps in [-ulps, ulps]."""
+
+    def __init__(self, ulps: int = 1, seed: int = 0) -> None:
+        super().__init__()
+        self.ulps = ulps
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if isinstance(result, torch.Tensor) and result.is_floating_point() and result.dtype in _BITS \
+                and not _aliases_an_input(result, args, kwargs):
+            with _quiet():
+                moved = _move(result.detach(), self.ulps, self.generator)
+                return result + (moved - result).detach() if result.requires_grad else moved
+        return result
+
+
+def _move(values: torch.Tensor, ulps: int, generator: torch.Generator) -> torch.Tensor:
+    bits = _BITS[values.dtype]
+    values = values.contiguous()
+    steps = torch.randint(-ulps, ulps + 1, values.shape, generator=generator, dtype=bits)
+    moved = (values.view(bits) + steps).view(values.dtype)
+    keep = (values == 0) | ~torch.isfinite(moved) | (torch.signbit(moved) != torch.signbit(values))
+    return torch.where(keep, values, moved)
+
+
+def _aliases_an_input(result: torch.Tensor, args, kwargs) -> bool:
+    pointer = result.untyped_storage().data_ptr()
+    tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+    return any(t.untyped_storage().data_ptr() == pointer for t in tensors)
+
+
+def round_to_tf32(tensor: torch.Tensor) -> torch.Tensor:
+    """float32 rounded to TF32's 10-bit mantissa (round to nearest, ties away), as a float32 tensor."""
+    with _quiet():
+        bits = tensor.contiguous().view(torch.int32)
+        rounded = ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+        return torch.where(torch.isfinite(tensor), rounded, tensor)
+
+
+class Tf32Matmuls(TorchFunctionMode):
+    """The matmul family computed from float32 inputs rounded to TF32, gradients passing through."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in MATMUL_FAMILY:
+            args = tuple(_tf32(a) for a in args)
+            kwargs = {k: _tf32(v) for k, v in (kwargs or {}).items()}
+        return func(*args, **(kwargs or {}))
+
+
+def _tf32(value):
+    if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+        with _quiet():
+            rounded = round_to_tf32(value.detach())
+            return value + (rounded - value).detach() if value.requires_grad else rounded
+    return value
+
+
+class Fault(TorchFunctionMode):
+    """The `index`-th call of `func` inside `module`'s forward returns its result × `factor`: one
+    faulty kernel. Enter it, then `with fault.inside(module): ...` is set up by `attach`."""
+
+    def __init__(self, module: torch.nn.Module, func, index: int = 0, factor: float = 1.03) -> None:
+        super().__init__()
+        self.func, self.index, self.factor = func, index, factor
+        self.module, self._depth, self._seen = module, 0, 0
+        original = module.forward
+
+        def forward(*args, **kwargs):
+            if self._depth == 0:
+                self._seen = 0
+            self._depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        self._original = module.__dict__.get("forward")
+        module.forward = forward
+
+    def detach(self) -> None:
+        """Give the module its forward back."""
+        if self._original is None:
+            del self.module.forward
+        else:
+            self.module.forward = self._original
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if self._depth and func is self.func:
+            self._seen += 1
+            if self._seen == self.index + 1 and isinstance(result, torch.Tensor):
+                with _quiet():
+                    return result * self.factor
+        return result
+
+
+@contextlib.contextmanager
+def emulated(*modes: TorchFunctionMode):
+    """Enter the modes (first one outermost-below), leave them in reverse."""
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        yield

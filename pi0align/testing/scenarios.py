@@ -1,0 +1,243 @@
+"""Dumped runs for the verdict's tests and its scoreboard (bench/verdict_quality.py): a toy model
+or real PI0, trained two steps from a fixed seed with both steps dumped, on an emulated device."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from pi0align.testing.devices import Fault, Tf32Matmuls, UlpNoise
+from pi0align.testing.models import Mlp, Transformer
+
+FUNCTIONS = {"linear": F.linear, "gelu": F.gelu, "layer_norm": F.layer_norm, "softmax": torch.softmax,
+             "matmul": torch.matmul, "sdpa": F.scaled_dot_product_attention, "add": torch.Tensor.add,
+             "silu": F.silu, "mul": torch.Tensor.mul}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """How the emulated device differs from the CPU: results moved by up to `ulp_noise` ulps,
+    matmul inputs in TF32, one faulty call (module path, function name, index, factor)."""
+
+    ulp_noise: int = 0
+    ulp_seed: int = 1
+    tf32: bool = False
+    fault: tuple[str, str, int, float] | None = None
+
+    @contextlib.contextmanager
+    def on(self, model: torch.nn.Module):
+        modes = []
+        if self.ulp_noise:
+            modes.append(UlpNoise(self.ulp_noise, self.ulp_seed))
+        if self.tf32:
+            modes.append(Tf32Matmuls())
+        fault = None
+        if self.fault is not None:
+            path, function, index, factor = self.fault
+            fault = Fault(model.get_submodule(path), FUNCTIONS[function], index, factor)
+            modes.append(fault)
+        try:
+            with contextlib.ExitStack() as stack:
+                for mode in modes:
+                    stack.enter_context(mode)
+                yield
+        finally:
+            if fault is not None:
+                fault.detach()
+
+
+@dataclass(frozen=True)
+class ToyRun:
+    model: str = "mlp"  # "mlp" | "transformer"
+    dtype: str = "fp32"
+    mode: str = "tensor"
+    sdpa: bool = False
+    device: Emulation = Emulation()
+    perturb_ulps: int = 0  # pi0align's own noise reference (Dumper(perturb_ulps=...))
+    seed: int = 0
+    lr: float = 1e-3
+
+
+def dump_toy(path: str | Path, run: ToyRun) -> Path:
+    """Two AdamW steps of a toy model, both dumped at level mix; returns the dump folder."""
+    from pi0align.dump import Dumper
+
+    torch.manual_seed(run.seed)
+    model = Mlp() if run.model == "mlp" else Transformer(sdpa=run.sdpa)
+    model = model.to(DTYPES[run.dtype])
+    shape = (16, 48) if run.model == "mlp" else (4, 12, 32)
+    data = torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(DTYPES[run.dtype])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr)
+    with run.device.on(model), Dumper(path, steps=[0, 1], level="mix", mode=run.mode,
+                                      perturb_ulps=run.perturb_ulps, perturb_seed=run.seed + 7) as dumper:
+        dumper.start(model)
+        for step in range(2):
+            loss = model(data).float().square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            dumper.record_metrics(step, loss)
+            dumper.step()
+    return Path(path)
+
+
+@dataclass(frozen=True)
+class Pi0Run:
+    preset: str = "small"
+    dtype: str = "bf16"
+    mode: str = "tensor"
+    threads: int = 1
+    device: Emulation = Emulation()
+    perturb_ulps: int = 0
+    seed: int = 1234
+    steps: int = 2  # trained and dumped
+
+
+def dump_pi0(path: str | Path, run: Pi0Run) -> Path:
+    """`run.steps` training steps of real LeRobot PI0 (the `pi0align run` recipe), all dumped at level mix."""
+    from pi0align.device import resolve
+    from pi0align.dump import Dumper
+    from pi0align.train.config import TrainConfig
+    from pi0align.train.data import make_loader
+    from pi0align.train.loop import build_components, train_step
+
+    path = Path(path)
+    config = TrainConfig(preset=run.preset, dtype=run.dtype, steps=run.steps, threads=run.threads, seed=run.seed,
+                         out=path, progress=False, log_every=0)
+    torch.set_num_threads(run.threads)
+    device = resolve("cpu")
+    components = build_components(config, device)
+    policy, optimizer, scheduler = components["policy"], components["optimizer"], components["scheduler"]
+    batches = iter(make_loader(components["dataset"], batch_size=config.batch_size, seed=config.seed, start_step=0,
+                               steps=config.steps, num_workers=0, pin_memory=False))
+    clip = policy.config.optimizer_grad_clip_norm
+    with run.device.on(policy), Dumper(path, steps=None, level="mix", mode=run.mode, perturb_ulps=run.perturb_ulps,
+                                       perturb_seed=run.seed + 7, manifest=components["manifest"]) as dumper:
+        for step in range(config.steps):
+            batch = components["preprocessor"](next(batches))
+            dumper.start(policy, step=step)
+            loss, grad_norm = train_step(policy, batch, optimizer, scheduler, clip)
+            dumper.record_metrics(step, loss, grad_norm)
+            dumper.stop()
+            dumper.step()
+    return path
+
+
+@dataclass(frozen=True)
+class Case:
+    """One scenario of the verdict's scoreboard: run A, run B (and a noise reference), and what a
+    right answer is: the verdict and, when diverged, the top culprit's name (a prefix of it)."""
+
+    name: str
+    a: ToyRun | Pi0Run
+    b: ToyRun | Pi0Run
+    verdict: str
+    top: str | None = None  # expected top culprit: the start of its name
+    reference: ToyRun | Pi0Run | None = None
+    replay: bool = True
+
+
+def _toy(model: str, dtype: str, mode: str, **b) -> tuple[ToyRun, ToyRun]:
+    return ToyRun(model=model, dtype=dtype, mode=mode), ToyRun(model=model, dtype=dtype, mode=mode, **b)
+
+
+def _noise(run: ToyRun, ulps: int = 1) -> ToyRun:
+    return ToyRun(**{**run.__dict__, "perturb_ulps": ulps, "seed": run.seed})
+
+
+NOISY = Emulation(ulp_noise=1)
+
+
+def toy_cases() -> list[Case]:
+    cases = []
+    faults = {"mlp": ("blocks.2.2", "gelu", "blocks.2.2/Functional.gelu#0"),
+              "transformer": ("layers.1.attention", "softmax", "layers.1.attention/Torch.softmax#0")}
+    for model in ("mlp", "transformer"):
+        path, function, culprit = faults[model]
+        faulty = Emulation(ulp_noise=1, fault=(path, function, 0, 1.03))
+        for mode in ("tensor", "stats"):
+            a, b = _toy(model, "bf16", mode, device=NOISY)
+            reference = _noise(a) if mode == "stats" else None
+            cases.append(Case(f"{model} bf16 {mode}: ulp noise", a, b, "aligned", reference=reference))
+            a, b = _toy(model, "bf16", mode, device=faulty)
+            cases.append(Case(f"{model} bf16 {mode}: ulp noise + {function} 3% off", a, b, "diverged", culprit,
+                              reference=reference))
+        a, b = _toy(model, "fp32", "stats", device=Emulation(tf32=True))
+        cases.append(Case(f"{model} fp32 stats: TF32 matmuls", a, b, "diverged", None))
+    a, b = ToyRun(model="transformer"), ToyRun(model="transformer", sdpa=True)
+    cases.append(Case("transformer fp32 tensor: SDPA vs manual attention", a, b, "aligned"))
+    b = ToyRun(model="transformer", sdpa=True, device=Emulation(fault=("layers.0.mlp", "gelu", 0, 1.03)))
+    cases.append(Case("transformer fp32 tensor: SDPA vs manual + gelu 3% off", a, b, "diverged",
+                      "layers.0.mlp.1/Functional.gelu#0"))
+    return cases
+
+
+EXPERT_FAULT = ("model.paligemma_with_expert.gemma_expert.model.layers.1.mlp", "linear", 0, 1.03)
+
+
+EXPERT_CULPRIT = "model.paligemma_with_expert.gemma_expert.model.layers.1.mlp.gate_proj/Functional.linear#0"
+
+
+def pi0_cases(steps: int = 2) -> list[Case]:
+    a = Pi0Run(threads=1, steps=steps)
+    return [Case("PI0 small bf16 tensor: 1 vs 2 threads", a, Pi0Run(threads=2, steps=steps), "aligned"),
+            Case("PI0 small bf16 tensor: 2 threads + expert linear 3% off", a,
+                 Pi0Run(threads=2, steps=steps, device=Emulation(fault=EXPERT_FAULT)), "diverged", EXPERT_CULPRIT)]
+
+
+def play(case: Case, work: Path, made: dict) -> tuple[object, bool]:
+    """Dump the case's runs (each once: `made` maps a run to its dump folder) and compare them as a
+    user would; returns the Comparison and whether its answer is right: the expected verdict, no
+    culprit where aligned, and the expected top culprit (its name's start) in forward where diverged."""
+    from pi0align.compare import compare_dumps
+
+    def dumped(run) -> Path:
+        if run not in made:
+            path = Path(work) / f"run{len(made)}"
+            made[run] = dump_toy(path, run) if isinstance(run, ToyRun) else dump_pi0(path, run)
+        return made[run]
+
+    a, b = dumped(case.a), dumped(case.b)
+    reference = dumped(case.reference) if case.reference is not None else None
+    result = compare_dumps(a, b, noise=reference, replay=case.replay)
+    top = result.culprits[0] if result.culprits else None
+    right = result.verdict == case.verdict
+    if case.verdict == "aligned":
+        right &= not result.culprits
+    if case.top is not None:
+        right &= top is not None and top.name.startswith(case.top) and top.direction == "forward"
+    return result, right
+
+
+def dump_pi0_with_msprobe(out: str | Path, task: str = "statistics", level: str = "L1", preset: str = "small",
+                          dtype: str = "bf16", threads: int = 1, seed: int = 1234) -> Path:
+    """One training step of real LeRobot PI0 dumped by msprobe's PrecisionDebugger (its own
+    `start` / `stop` / `step` around the step); run it in a child process: msprobe patches torch
+    for good."""
+    from msprobe.pytorch import PrecisionDebugger
+
+    from pi0align.device import resolve
+    from pi0align.train.config import TrainConfig
+    from pi0align.train.data import make_loader
+    from pi0align.train.loop import build_components, train_step
+
+    out = Path(out)
+    config = TrainConfig(preset=preset, dtype=dtype, steps=1, threads=threads, seed=seed, out=out / "run",
+                         progress=False, log_every=0)
+    torch.set_num_threads(threads)
+    components = build_components(config, resolve("cpu"))
+    policy = components["policy"]
+    batch = components["preprocessor"](next(iter(make_loader(components["dataset"], batch_size=config.batch_size,
+                                                             seed=seed, start_step=0, steps=1, num_workers=0,
+                                                             pin_memory=False))))
+    debugger = PrecisionDebugger(task=task, dump_path=str(out / "msprobe"), level=level)
+    debugger.start(policy)
+    train_step(policy, batch, components["optimizer"], components["scheduler"], policy.config.optimizer_grad_clip_norm)
+    debugger.stop()
+    debugger.step()
+    return out / "msprobe"
