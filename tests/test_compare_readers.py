@@ -182,7 +182,7 @@ def test_msprobe_dumps_of_real_pi0_with_infinite_statistics_are_read(tmp_path):
               "dump_pi0_with_msprobe(sys.argv[1])")
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    dump_json = next((tmp_path / "msprobe").glob("step*/rank*/dump.json"))
+    dump_json = next((tmp_path / "msprobe").glob("step*/*/dump.json"))
     text = dump_json.read_text()
     assert "Infinity" in text or "NaN" in text  # what orjson refuses
     result = compare_dumps(tmp_path / "msprobe", tmp_path / "msprobe")

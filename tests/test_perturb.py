@@ -36,7 +36,8 @@ def _output(path, step: int, name: str) -> np.ndarray:
     tables = read_step(path / "dump.h5", step)
     calls, records = tables["calls"], tables["records"]
     call = calls["name"].index(name)
-    row = next(i for i, (c, role) in enumerate(zip(records["call_id"], records["role"])) if c == call and role == "output")
+    row = next(i for i, (c, role) in enumerate(zip(records["call_id"], records["role"]))
+               if c == call and role == "output")
     with h5py.File(path / "dump.h5") as f:
         return f[f"steps/{step:06d}/{records['tensor'][row]}"][()]
 

@@ -17,7 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", metavar="NAME", help="the call's name, e.g. 'model.layers.1.mlp/Functional.gelu#0'")
     parser.add_argument("--against", metavar="OTHER", help="the other run's dump: replay its call of that name too")
     parser.add_argument("--step", type=parse_steps, help="the step (default: the first that holds the call)")
-    parser.add_argument("--direction", choices=("forward", "backward"), default="forward", help="(default: %(default)s)")
+    parser.add_argument("--direction", choices=("forward", "backward"), default="forward",
+                        help="(default: %(default)s)")
     parser.add_argument("--rank", type=int, default=0, help="the rank, in a run folder of several (default: 0)")
 
 
@@ -69,7 +70,8 @@ def main(args: argparse.Namespace) -> int:
                 run.close()
 
     console = Console()
-    table = Table(title=f"{args.name} · step {step} · {args.direction}: local error against float64", title_justify="left")
+    table = Table(title=f"{args.name} · step {step} · {args.direction}: local error against float64",
+                  title_justify="left")
     table.add_column("result", justify="right")
     for label in ("A", "B")[:len(results)]:
         table.add_column(f"{label} ({paths[0 if label == 'A' else 1]})", justify="right", overflow="fold")

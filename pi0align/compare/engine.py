@@ -10,18 +10,33 @@ from pathlib import Path
 import numpy as np
 
 from pi0align.compare import rootcause
-from pi0align.compare.judge import containing, judge, noise_model
 from pi0align.compare.align import pair_records
 from pi0align.compare.arguments import arguments_differ
+from pi0align.compare.explain import bit_comparable, explained_rows, identical_values, rows_of
+from pi0align.compare.judge import judge, noise_model
 from pi0align.compare.manifest import manifest_diff, manifest_notes, numerics_notes
-from pi0align.compare.metrics import STATS_METRICS, TENSOR_METRICS, sample_metrics, stats_metrics, tensor_metrics
+from pi0align.compare.metrics import (
+    STATS_METRICS,
+    TENSOR_METRICS,
+    sample_metrics,
+    stats_metrics,
+    tensor_metrics,
+)
 from pi0align.compare.noise import noise_driven
 from pi0align.compare.open_dump import open_run
 from pi0align.compare.records import OUTPUT_ROLES, Dump, user_frames
+from pi0align.compare.reference import check_reference, raised_limits, reference_notes
 from pi0align.compare.result import ROW_COLUMNS, Comparison
-from pi0align.compare.table import Groups, Table, gather, isin, lookup
+from pi0align.compare.table import Table, gather, isin, lookup
 from pi0align.compare.thresholds import load_thresholds
-from pi0align.compare.verdict import JUDGED_PAIRINGS, metric_errors, metric_limits, metric_ratios, severity, verdicts
+from pi0align.compare.verdict import (
+    JUDGED_PAIRINGS,
+    metric_errors,
+    metric_limits,
+    metric_ratios,
+    severity,
+    verdicts,
+)
 from pi0align.errors import UserError
 
 Progress = Callable[[int, int], None]
@@ -68,14 +83,15 @@ def _compare(path_a: str | Path, path_b: str | Path, thresholds: dict, steps: It
         runs_a, runs_b = opened[0], opened[1]
         for path, runs in zip(paths[1:], opened[1:]):
             if set(runs) != set(runs_a):
-                raise UserError(f"the runs have different ranks: {sorted(runs_a)} in {path_a}, {sorted(runs)} in {path}")
+                raise UserError(f"the runs have different ranks: {sorted(runs_a)} in {path_a}, "
+                                f"{sorted(runs)} in {path}")
         if wanted is not None:
             for path, runs in zip(paths, opened):
                 if all(not len(run.records) for run in runs.values()):
                     listed = ", ".join(map(str, sorted(wanted)[:10]))
                     raise UserError(f"{path} holds none of the steps asked for ({listed})")
         if noise is not None:
-            _check_reference(runs_a, opened[2], path_a, noise)
+            check_reference(runs_a, opened[2], path_a, noise)
         replay &= all(runs[r].mode == "tensor" for runs in (runs_a, runs_b) for r in runs)
         pairs = [(runs_a[r], runs_b[r], replay) for r in sorted(runs_a)]
         if noise is not None:
@@ -84,7 +100,7 @@ def _compare(path_a: str | Path, path_b: str | Path, thresholds: dict, steps: It
         parts = [_compare_rank(a, b, tracker, replay) for a, b, replay in pairs]
         reference = Table.concat([p[0] for p in parts[len(runs_a):]]) if noise is not None else None
         return _conclude(parts[:len(runs_a)], runs_a, runs_b, thresholds, str(path_a), str(path_b),
-                         reference, opened[2] if noise is not None else None, replay)
+                         reference, opened[2] if noise is not None else None)
     finally:
         for runs in opened:
             _close(runs)
@@ -239,7 +255,7 @@ def _stack_lookup(dump: Dump) -> Callable[[int, int], list[str]]:
 
 
 def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, reference: Table | None,
-              runs_reference: dict[int, Dump] | None, replay: bool) -> Comparison:
+              runs_reference: dict[int, Dump] | None) -> Comparison:
     rows = Table.concat([p[0] for p in parts])
     notes = [n for dump in list(runs_a.values()) + list(runs_b.values()) for n in dump.notes]
     notes += [n for p in parts for n in p[1]]
@@ -247,7 +263,7 @@ def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, r
     errors, limits = metric_errors(rows), metric_limits(rows, thresholds)
     rows["over_dtype_limits"] = severity(metric_ratios(errors, limits)) > 1
     if reference is not None:
-        limits = reference_limits(rows, limits, reference)
+        limits = raised_limits(rows, limits, reference)
     sev = severity(metric_ratios(errors, limits))
     rows["severity"] = sev
     rows["verdict"] = verdicts(rows, sev, thresholds).astype(object)
@@ -255,18 +271,17 @@ def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, r
     rows["verdict"][driven] = "warn"
     notes += noise_notes
     if runs_reference is not None:
-        notes += _reference_notes(runs_reference)
+        notes += reference_notes(runs_reference)
     rows["identical"] = identical_values(rows)
     first_a, first_b = runs_a[min(runs_a)], runs_b[min(runs_b)]
     diff = manifest_diff(first_a.manifest, first_b.manifest)
     calls = rootcause.call_errors(rows)
     fallback = "reference" if reference is not None else "intrinsic"
     judgement = judge(calls, fallback, exact=bit_comparable(rows, diff))
-    explained = _explained(rows, calls, judgement) & (rows["verdict"] == "fail") & _before_first(rows, calls, judgement)
-    explained &= ~_rows_of(rows, calls, containing(calls, judgement.culprit))  # modules around a culprit
-    rows["verdict"][explained] = "warn"
-    exact = _rows_of(rows, calls, judgement.culprit & (judgement.evidence == "exact"))
-    rows["verdict"][exact & isin(rows["role"], OUTPUT_ROLES) & ~rows["identical"]] = "fail"  # beyond what statistics see
+    rows["verdict"][explained_rows(rows, calls, judgement)] = "warn"
+    exact = rows_of(rows, calls, judgement.culprit & (judgement.evidence == "exact"))
+    # a change its statistics may not see
+    rows["verdict"][exact & isin(rows["role"], OUTPUT_ROLES) & ~rows["identical"]] = "fail"
     rows["introduced_error"] = _introduced_per_row(rows, calls)
     stack_of = lambda rank, step, seq: stack_lookups[rank](step, seq) if rank in stack_lookups else []
     first_fwd = rootcause.first_divergence(calls, judgement.culprit, "forward", stack_of)
@@ -285,7 +300,8 @@ def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, r
                      for label in ("realigned", "shape_mismatch", "dtype_mismatch")})
     first = first_fwd or first_bwd
     if failed and first is None:
-        first = rootcause.first_failing(calls, "forward", stack_of) or rootcause.first_failing(calls, "backward", stack_of)
+        first = (rootcause.first_failing(calls, "forward", stack_of)
+                 or rootcause.first_failing(calls, "backward", stack_of))
         if first is not None:
             notes.append(f"no call introduces error beyond noise: the first differing call, {first.name} "
                          f"(step {first.step}), already receives differing inputs (input data, initial weights, "
@@ -300,123 +316,6 @@ def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, r
         first_divergence_backward=first_bwd,
         noise_model=noise_model(judgement, fallback),
         rows_over_dtype_limits=int(rows["over_dtype_limits"].sum()))
-
-
-REFERENCE_MARGIN = 4.0  # a record may be this many times as far from A as the noise reference is
-REFERENCE_WINDOW = 4  # calls on either side whose reference errors bound a call's (error grows smoothly)
-
-
-def reference_limits(rows: Table, limits: dict, reference: Table) -> dict:
-    """Each row's limits raised to the noise reference, metric by metric: to MARGIN × that metric's
-    envelope, the largest error the reference (A against REF) shows on the records of the calls of
-    A within WINDOW calls of the row's call, in execution order. Never stricter than the dtype
-    limits; rows of calls the reference lacks keep them."""
-    keys = ("rank", "step", "direction")
-    known = ~np.isnan(reference["seq_a"].astype(np.float64))
-    calls = Groups(*(reference[k][known] for k in keys), reference["seq_a"][known])
-    first = np.flatnonzero(known)[calls.first]
-    call_keys = [*(reference[k][first] for k in keys), reference["seq_a"][first].astype(np.float64)]
-    order = np.lexsort(call_keys[::-1])  # calls in execution order within (rank, step, direction)
-    stretch = Groups(*(key[order] for key in call_keys[:3])).codes  # which stretch each call is in
-    call = lookup([*(rows[k] for k in keys), rows["seq_a"].astype(np.float64)], call_keys)
-    raised = {}
-    for metric, errors in metric_errors(reference).items():
-        per_call = calls.max(np.nan_to_num(errors[known], nan=0.0, posinf=0.0))[order]
-        envelope = per_call.copy()
-        for shift in range(1, REFERENCE_WINDOW + 1):
-            same = stretch[shift:] == stretch[:-shift]
-            envelope[shift:] = np.where(same, np.maximum(envelope[shift:], per_call[:-shift]), envelope[shift:])
-            envelope[:-shift] = np.where(same, np.maximum(envelope[:-shift], per_call[shift:]), envelope[:-shift])
-        by_call = np.empty_like(envelope)
-        by_call[order] = envelope
-        raised[metric] = np.fmax(limits[metric], REFERENCE_MARGIN * gather(by_call, call, 0.0))
-        raised[metric][np.isnan(limits[metric])] = np.nan
-    return raised
-
-
-def _check_reference(runs_a: dict[int, Dump], runs_reference: dict[int, Dump], path_a, path_reference) -> None:
-    """A noise reference is A's run again: the same seed, dtype and initial weights."""
-    a, reference = runs_a[min(runs_a)].manifest, runs_reference[min(runs_reference)].manifest
-    for key in ("weights_sha256", "seed", "dtype"):
-        if a.get(key) is not None and reference.get(key) is not None and a[key] != reference[key]:
-            raise UserError(f"{path_reference} is not a noise reference of {path_a}: its {key} differs "
-                            "(make it by running A's configuration again with --perturb-ulps 1)")
-
-
-def _reference_notes(runs: dict[int, Dump]) -> list[str]:
-    ulps = runs[min(runs)].manifest.get("perturb_ulps")
-    if not ulps:
-        return ["the noise reference was not made with --perturb-ulps: its differences from A are taken as noise"]
-    return []
-
-
-def _before_first(rows: Table, calls: Table, judgement) -> np.ndarray:
-    """Rows that ran before the rank's first culprit (by step, then sequence: a step's forward
-    calls, its backward calls, its parameters): those after it may inherit its error, and stay
-    failing where they exceed their limits."""
-    before = np.ones(len(rows), bool)
-    for rank in np.unique(calls["rank"][judgement.culprit]).tolist():
-        guilty = judgement.culprit & (calls["rank"] == rank)
-        first = min(zip(calls["step"][guilty].tolist(), calls["seq_a"][guilty].tolist()))
-        seq = rows["seq_a"].astype(np.float64)
-        after = (rows["step"] > first[0]) | ((rows["step"] == first[0]) & ~(seq < first[1]))
-        before &= ~((rows["rank"] == rank) & after)
-    return before
-
-
-def identical_values(rows: Table) -> np.ndarray:
-    """Rows whose two records hold the same bits (equal checksums, both known)."""
-    a, b = rows["checksum_a"].astype(np.int64), rows["checksum_b"].astype(np.int64)
-    return (a == b) & (a != -1) & (b != -1) & isin(rows["pairing"], ("matched", "realigned"))
-
-
-SAME_NUMERICS = ("device", "device_name", "dtype", "world_size", "numerics", "versions.torch", "versions.torch_npu",
-                 "versions.cann")
-
-
-def bit_comparable(rows: Table, diff: list) -> bool:
-    """The two runs compute bit for bit alike: the same device, dtype, threads and numerics switches
-    and torch (their manifests agree on SAME_NUMERICS), and the first forward API call of the first
-    step is handed and returns the same bits on both sides."""
-    if any(key.split(".")[0] in SAME_NUMERICS or key in SAME_NUMERICS for key, _, _ in diff):
-        return False
-    known = (rows["checksum_a"] != -1) & (rows["checksum_b"] != -1) & (rows["direction"] == "forward")
-    known &= isin(rows["pairing"], ("matched", "realigned"))
-    known &= ~np.char.startswith(rows["api"].astype(str), "Module.")  # a module's output comes at its end
-    if not known.any():
-        return False
-    first = known & (rows["step"] == rows["step"][known].min())
-    first &= rows["seq_a"] == rows["seq_a"][first].min()
-    return bool(rows["identical"][first].all())
-
-
-def _rows_of(rows: Table, calls: Table, selected: np.ndarray) -> np.ndarray:
-    """The rows of the selected calls."""
-    keys = ("rank", "step", "direction")
-    call = lookup([*(rows[k] for k in keys), rows["seq_a"].astype(np.float64)],
-                  [*(calls[k] for k in keys), calls["seq_a"].astype(np.float64)])
-    return gather(selected, call, False).astype(bool)
-
-
-def _explained(rows: Table, calls: Table, judgement) -> np.ndarray:
-    """Rows whose difference the noise model explains: results of calls judged within noise and the
-    same tensors where later calls read them (equal checksum in the step), gradients flowing into
-    calls (autograd sums the results of calls judged on their own), parameter gradients, and
-    parameters after the first dumped step (the optimizer's update, not dumped, of gradients that
-    were judged). Forward inputs nothing produced (the batch) are not explained."""
-    call_explained = _rows_of(rows, calls, judgement.explained)
-    role, step = rows["role"], rows["step"]
-    first_step = step.min() if len(rows) else 0
-    produced = (isin(role, OUTPUT_ROLES) & call_explained) | (role == "parameter_grad") | (
-        (role == "parameter") & (step > first_step))
-    checksum = rows["checksum_a"].astype(np.int64)
-    known = checksum != -1
-    producers = set(zip(rows["rank"][produced & known].tolist(), step[produced & known].tolist(),
-                        checksum[produced & known].tolist()))
-    same_tensor = np.array([(r, s, c) in producers for r, s, c in
-                            zip(rows["rank"].tolist(), step.tolist(), checksum.tolist())], bool) & known
-    forward_input = role == "input"
-    return produced | (role == "grad_output") | (forward_input & (same_tensor | (~known & call_explained)))
 
 
 def _introduced_per_row(rows: Table, calls: Table) -> np.ndarray:

@@ -8,8 +8,8 @@ noise, judged by the best evidence there is for it (docs/compare.md, section "No
   roundoff of X's result dtype) -- torch dynamo's `same()` (RMSE against fp64 within 2×, 3× in
   half precision, of the eager result's) and msprobe's benchmark standard (RMSE ratio ≤ 2), with a
   floor of a few unit roundoffs so that two kernels both within rounding are never told apart.
-* `reference`: a noise reference (A re-run with every result moved by an ulp) scales each
-  record's limits to how far this model carries rounding to it (engine.py, reference_severity);
+* `reference`: a noise reference (A re-run with every result moved by an ulp) raises each
+  record's limits to how far this model carries rounding to it (reference.py);
   a call is then a culprit when its outputs fail and its inputs pass (or it amplifies tenfold).
 * `intrinsic`: the same rule under the fixed dtype limits.
 
@@ -17,10 +17,10 @@ Under `reference` and `intrinsic` a call's introduced error must also stand out 
 the same API introduce elsewhere in the run (STANDOUT × their median), unless its API is off as a
 family (`family_off`: every matmul on TF32 inputs), however alike its calls are.
 
-Where the two runs are bit-comparable (engine.bit_comparable: same device, threads and numerics,
-and the first call's inputs and outputs hold the same bits), a call whose inputs are identical (equal
-checksums) is judged by its bits, evidence `exact`: an output that differs proves a change, one
-that statistics may not see. Calls whose inputs already differ are judged as above. Whatever the evidence, a
+Where the two runs are bit-comparable (explain.bit_comparable: same device, threads and numerics,
+and the first call's inputs and outputs hold the same bits), checksums are proof: a call handed
+identical inputs whose output bits differ while every measured error is below INVISIBLE (two
+elements swapped: the statistics cannot see it) is a culprit, evidence `exact`. Whatever the evidence, a
 call whose outputs fail and whose recorded non-tensor arguments differ
 from the other side's (arguments.py) is a culprit, evidence `arguments`: it was asked something
 else. A module call (`Module.*`) that has API calls recorded inside it is judged by them: it is
@@ -41,6 +41,7 @@ AMPLIFICATION = 10.0  # a call that multiplies the error it receives tenfold int
 STANDOUT = 4.0  # introduced error ≥ 4 × the median of its API's calls
 FAMILY_UNITS = 256.0  # an API whose typical output error is this many unit roundoffs is off as a family
 MIN_PEERS = 4  # fewer calls of an API than this: no median to stand out from
+INVISIBLE = 1e-12  # an error below this is float64 summation noise: the statistics saw no change
 # replay: dynamo's same() multipliers (fp32 2, half precision 3) and a floor in unit roundoffs
 # (bf16/fp16: 3 u, above the ~1.3 u of a result moved by up to an ulp and the ~0.4 u of rounding,
 # below a 3 % fault, 7.7 u in bf16; fp32: 16 u, room for reduction-order error over long sums)
@@ -88,10 +89,11 @@ def judge(calls: Table, fallback: str, exact: bool = False) -> Judgement:
     with_calls_inside = module & _with_calls_below(calls, ~module)  # judged by the calls made inside it
     # told other arguments (a scale, an epsilon): computes something else, however right its kernel
     other_arguments = calls["args_differ"] & calls["outputs_fail"] & ~module
-    # bit-comparable runs: identical inputs and differing outputs prove a change, seen or not by statistics
-    by_bits = exact & ~module & calls["inputs_identical"]
+    # bit-comparable runs: identical inputs and differing outputs prove a change, one the numbers
+    # cannot see (a change they see is judged by the model above, the inputs' error being zero)
+    by_bits = exact & ~module & calls["inputs_identical"] & calls["outputs_differ"] & (calls["output_error"] < INVISIBLE)
     judged = np.where(replayed, b_wrong | a_wrong, rule & ~with_calls_inside)
-    culprit = innermost(calls, (np.where(by_bits, calls["outputs_differ"], judged) | other_arguments))
+    culprit = innermost(calls, judged | by_bits | other_arguments)
     evidence = np.where(other_arguments, "arguments", np.where(by_bits, "exact",
                         np.where(replayed, "replay", fallback))).astype(object)
     wrong = np.where(b_wrong, "B", np.where(a_wrong, "A", "")).astype(object)

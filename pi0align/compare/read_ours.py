@@ -90,7 +90,8 @@ def _read(f: h5py.File, path: Path, steps: set[int] | None) -> Dump:
                 step_group = f["steps"][f"{step:06d}"]
                 group = groups[(step, folder)] = step_group[folder] if folder else step_group
             ds = group[name]
-            found = datasets[(step, tensor)] = Bfloat16Array(ds) if _text(ds.attrs.get("dtype", "")) == "bfloat16" else ds
+            bfloat16 = _text(ds.attrs.get("dtype", "")) == "bfloat16"
+            found = datasets[(step, tensor)] = Bfloat16Array(ds) if bfloat16 else ds
         return found
 
     def sample_reader(step: int) -> tuple[np.ndarray, np.ndarray]:

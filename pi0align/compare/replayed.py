@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from pi0align.compare.records import Dump
-from pi0align.compare.table import Table, isin
+from pi0align.compare.table import Table
 
 RESULT_ROLES = {"forward": "output", "backward": "grad_input"}
 _CACHE_BYTES = 256 << 20  # decoded tensors kept per side: a call's inputs are mostly recent outputs
@@ -51,14 +51,6 @@ def local_errors(rows: Table, a: Dump, b: Dump, ia: np.ndarray, ib: np.ndarray, 
             columns["replay"][row] = _why_not(*reasons)
         advance()
     return columns
-
-
-def replayable_calls(rows: Table, judged: np.ndarray, ia: np.ndarray, ib: np.ndarray) -> int:
-    """How many calls `local_errors` will replay: one unit of progress each."""
-    direction, role = rows["direction"], rows["role"]
-    result_row = judged & (ia >= 0) & (ib >= 0) & isin(direction, RESULT_ROLES) & isin(role, RESULT_ROLES.values())
-    keys = set(zip(rows["step"][result_row].tolist(), direction[result_row].tolist(), ia[result_row].tolist()))
-    return len(keys)
 
 
 def _why_not(reason_a: str, reason_b: str) -> str:

@@ -22,7 +22,8 @@ STATS_ERRORS = ["norm_rel_err", "mean_val_rel_err", "min_rel_err", "max_val_rel_
 MAX_CULPRITS = 100
 CALL_COLUMNS = ["rank", "step", "direction", "seq_a", "name", "module", "api", "input_error", "output_error",
                 "inputs_pass", "outputs_fail", "introduced_error", "metric",
-                "local_error_a", "local_error_b", "unit_a", "unit_b", "replay", "args_differ", "inputs_identical", "outputs_differ"]
+                "local_error_a", "local_error_b", "unit_a", "unit_b", "replay", "args_differ", "inputs_identical",
+                "outputs_differ"]
 
 
 def row_error(rows: Table) -> tuple[np.ndarray, np.ndarray]:

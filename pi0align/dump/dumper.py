@@ -193,7 +193,8 @@ class Dumper:
                     "cpu_stats": KERNEL.status, "observer": KERNEL.observer_status,
                 }
                 manifest = {**(self._manifest or {}), "perturb_ulps": self.perturb_ulps}
-                file_format.create(self.file, attrs, build_manifest(self._model, self._rank, self._world_size, manifest))
+                file_format.create(self.file, attrs,
+                                   build_manifest(self._model, self._rank, self._world_size, manifest))
                 self._created = True
             self._writer = DumpWriter(self.file, tensors=self.mode == "tensor", compress=self._compress)
         except WRITE_ERRORS as error:

@@ -20,7 +20,8 @@ from torch.overrides import TorchFunctionMode
 from pi0align.dump.arguments import tensors_of
 
 _quiet = torch._C.DisableTorchFunction  # the mode's own tensor work is not moved again
-_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
+         torch.float16: torch.int16}  # an integer of the float's width, to move its bits
 
 
 class UlpMover:
@@ -41,7 +42,8 @@ class UlpMover:
             steps = torch.randint(-self.ulps, self.ulps + 1, values.shape, generator=self._generator(values.device),
                                   device=values.device, dtype=bits_dtype)
             moved = (values.view(bits_dtype) + steps).view(values.dtype)
-            keep = (values == 0) | ~torch.isfinite(values) | ~torch.isfinite(moved) | (torch.signbit(moved) != torch.signbit(values))
+            keep = (values == 0) | ~torch.isfinite(values) | ~torch.isfinite(moved)
+            keep |= torch.signbit(moved) != torch.signbit(values)  # past zero: not a move by ulps
             return torch.where(keep, values, moved)
 
     def _generator(self, device: torch.device) -> torch.Generator:

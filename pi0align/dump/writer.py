@@ -128,6 +128,8 @@ class DumpWriter:
             self._send_batch(None)
             self._process.wait()
             self._answers.join()
+            for pipe in (self._process.stdin, self._process.stdout):  # not left for the garbage collector
+                pipe.close()
             # Freed here: the last reference must not fall to the answers thread, which may be torn
             # down at interpreter exit, when freeing a torch.frombuffer tensor aborts the process.
             self._ring_tensor = self._ring_array = None
@@ -184,7 +186,7 @@ class DumpWriter:
         try:
             pickle.dump(batch, self._process.stdin, protocol=pickle.HIGHEST_PROTOCOL)
             self._process.stdin.flush()
-        except (BrokenPipeError, OSError):
+        except (BrokenPipeError, OSError, ValueError):  # ValueError: closed by close()
             self._writer_ended()
 
     def _wait(self, done) -> bool:

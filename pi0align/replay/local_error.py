@@ -147,8 +147,8 @@ def _backward(func, described: dict, inputs: list[torch.Tensor], call: RecordedC
     if not pairs:
         raise NotReplayable("no gradient reaches the replayed outputs")
     order = sorted(leaves)
-    grads = torch.autograd.grad([o for o, _ in pairs], [leaves[i] for i in order], [g.reshape(o.shape) for o, g in pairs],
-                                allow_unused=True)
+    grads = torch.autograd.grad([o for o, _ in pairs], [leaves[i] for i in order],
+                                [g.reshape(o.shape) for o, g in pairs], allow_unused=True)
     references: list[torch.Tensor | None] = [None] * len(inputs)
     for i, grad in zip(order, grads):
         references[i] = torch.zeros_like(leaves[i]) if grad is None else grad

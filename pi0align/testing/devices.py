@@ -3,50 +3,40 @@
 
 They imitate what differs between devices: results rounded differently (`UlpNoise`), matmul
 inputs rounded to TF32 (`Tf32Matmuls`, what `allow_tf32` and Ascend's HF32 do), one kernel a few
-percent off (`Fault`). They are independent of pi0align's own noise reference (dump/perturb.py):
-`UlpNoise` moves forward results only, the reference moves gradients too.
+percent off (`Fault`). `UlpNoise` moves values as pi0align's own noise reference does
+(dump/perturb.py's UlpMover) but forward results only: the reference moves gradients too.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
 
+from pi0align.dump.perturb import UlpMover
+
 _quiet = torch._C.DisableTorchFunction
-_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 MATMUL_FAMILY = frozenset({F.linear, torch.matmul, torch.Tensor.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
                            torch.einsum, F.conv1d, F.conv2d, F.conv3d, torch.Tensor.__matmul__,
                            F.scaled_dot_product_attention})
 
 
 class UlpNoise(TorchFunctionMode):
-    """Every fresh floating result moved by a random whole number of ulps in [-ulps, ulps]."""
+    """Every fresh floating forward result moved by a random whole number of ulps in [-ulps, ulps]
+    (gradients pass through unmoved, unlike the noise reference's)."""
 
     def __init__(self, ulps: int = 1, seed: int = 0) -> None:
         super().__init__()
-        self.ulps = ulps
-        self.generator = torch.Generator().manual_seed(seed)
+        self.mover = UlpMover(ulps, seed)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
-        if isinstance(result, torch.Tensor) and result.is_floating_point() and result.dtype in _BITS \
-                and not _aliases_an_input(result, args, kwargs):
+        fresh = isinstance(result, torch.Tensor) and not _aliases_an_input(result, args, kwargs)
+        if fresh and result.is_floating_point():
             with _quiet():
-                moved = _move(result.detach(), self.ulps, self.generator)
+                moved = self.mover.move(result.detach())
                 return result + (moved - result).detach() if result.requires_grad else moved
         return result
-
-
-def _move(values: torch.Tensor, ulps: int, generator: torch.Generator) -> torch.Tensor:
-    bits = _BITS[values.dtype]
-    values = values.contiguous()
-    steps = torch.randint(-ulps, ulps + 1, values.shape, generator=generator, dtype=bits)
-    moved = (values.view(bits) + steps).view(values.dtype)
-    keep = (values == 0) | ~torch.isfinite(moved) | (torch.signbit(moved) != torch.signbit(values))
-    return torch.where(keep, values, moved)
 
 
 def _aliases_an_input(result: torch.Tensor, args, kwargs) -> bool:
@@ -82,8 +72,8 @@ def _tf32(value):
 
 
 class Fault(TorchFunctionMode):
-    """The `index`-th call of `func` inside `module`'s forward returns its result × `factor`: one
-    faulty kernel. Enter it, then `with fault.inside(module): ...` is set up by `attach`."""
+    """The `index`-th call of `func` inside each forward of `module` returns its result × `factor`:
+    one faulty kernel. Made, it wraps the module's forward (to know when it runs) until `detach()`."""
 
     def __init__(self, module: torch.nn.Module, func, index: int = 0, factor: float = 1.03) -> None:
         super().__init__()
@@ -118,12 +108,3 @@ class Fault(TorchFunctionMode):
                 with _quiet():
                     return result * self.factor
         return result
-
-
-@contextlib.contextmanager
-def emulated(*modes: TorchFunctionMode):
-    """Enter the modes (first one outermost-below), leave them in reverse."""
-    with contextlib.ExitStack() as stack:
-        for mode in modes:
-            stack.enter_context(mode)
-        yield
