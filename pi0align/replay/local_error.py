@@ -87,16 +87,18 @@ def local_error(recorded: torch.Tensor, reference: torch.Tensor) -> float:
     """‖recorded − reference‖ / ‖reference‖ in float64 over positions where both are finite
     (0/0 = 0, x/0 = ∞); ∞ when their NaN / ±Inf patterns differ."""
     recorded, reference = recorded.double(), reference.double()
-    finite_r, finite_f = torch.isfinite(recorded), torch.isfinite(reference)
-    if not (bool(finite_r.all()) and bool(finite_f.all())):
+    difference = float(torch.linalg.vector_norm(recorded - reference))
+    scale = float(torch.linalg.vector_norm(reference))
+    if not (math.isfinite(difference) and math.isfinite(scale)):  # rare: only then look at every element
+        finite_r, finite_f = torch.isfinite(recorded), torch.isfinite(reference)
         same_pattern = torch.equal(finite_r, finite_f) and torch.equal(
             torch.nan_to_num(recorded[~finite_r], nan=0.0), torch.nan_to_num(reference[~finite_f], nan=0.0)) \
             and torch.equal(recorded[~finite_r].isnan(), reference[~finite_f].isnan())
         if not same_pattern:
             return math.inf
         recorded, reference = recorded[finite_r], reference[finite_f]
-    difference = float(torch.linalg.vector_norm(recorded - reference))
-    scale = float(torch.linalg.vector_norm(reference))
+        difference = float(torch.linalg.vector_norm(recorded - reference))
+        scale = float(torch.linalg.vector_norm(reference))
     if scale == 0.0:
         return 0.0 if difference == 0.0 else math.inf
     return difference / scale
