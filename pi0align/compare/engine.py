@@ -12,7 +12,12 @@ import numpy as np
 from pi0align.compare import rootcause
 from pi0align.compare.align import pair_records
 from pi0align.compare.arguments import arguments_differ
-from pi0align.compare.explain import bit_comparable, explained_rows, identical_values, rows_of
+from pi0align.compare.explain import (
+    bit_comparable,
+    explained_rows,
+    identical_values,
+    rows_of,
+)
 from pi0align.compare.judge import judge, noise_model
 from pi0align.compare.manifest import manifest_diff, manifest_notes, numerics_notes
 from pi0align.compare.metrics import (
@@ -27,6 +32,7 @@ from pi0align.compare.open_dump import open_run
 from pi0align.compare.records import OUTPUT_ROLES, Dump, user_frames
 from pi0align.compare.reference import check_reference, raised_limits, reference_notes
 from pi0align.compare.result import ROW_COLUMNS, Comparison
+from pi0align.compare.rounding import measure_without_rounding
 from pi0align.compare.table import Table, gather, isin, lookup
 from pi0align.compare.thresholds import load_thresholds
 from pi0align.compare.verdict import (
@@ -97,7 +103,7 @@ def _compare(path_a: str | Path, path_b: str | Path, thresholds: dict, steps: It
         if noise is not None:
             pairs += [(runs_a[r], opened[2][r], False) for r in sorted(runs_a)]
         tracker = _Tracker(progress, sum(_work(a, b, replay) for a, b, replay in pairs))
-        parts = [_compare_rank(a, b, tracker, replay) for a, b, replay in pairs]
+        parts = [_compare_rank(a, b, tracker, replay, thresholds) for a, b, replay in pairs]
         reference = Table.concat([p[0] for p in parts[len(runs_a):]]) if noise is not None else None
         return _conclude(parts[:len(runs_a)], runs_a, runs_b, thresholds, str(path_a), str(path_b),
                          reference, opened[2] if noise is not None else None)
@@ -129,7 +135,8 @@ def _work(a: Dump, b: Dump, replay: bool) -> int:
     return steps + tensors + calls
 
 
-def _compare_rank(a: Dump, b: Dump, tracker: _Tracker, replay: bool) -> tuple[Table, list[str], Callable]:
+def _compare_rank(a: Dump, b: Dump, tracker: _Tracker, replay: bool,
+                  thresholds: dict) -> tuple[Table, list[str], Callable]:
     """Rows of one rank (metrics filled, not yet judged), notes, and the stack of a call."""
     ra, rb = a.records, b.records
     pairs = pair_records(ra, rb)
@@ -157,7 +164,12 @@ def _compare_rank(a: Dump, b: Dump, tracker: _Tracker, replay: bool) -> tuple[Ta
     notes = []
     if a.mode == b.mode == "sample" and a.sample_reader and b.sample_reader:
         notes += _fill_samples(rows, side_a, side_b, comparable, a, b)
-    streamed = _fill_tensors(rows, side_a, side_b, comparable, a, b, tracker) if a.mode == b.mode == "tensor" else 0
+    streamed = 0
+    if a.mode == b.mode == "tensor":
+        streamed = _fill_tensors(rows, side_a, side_b, comparable, a, b, tracker)
+        if replay:  # where replay judges the calls that read the parameters, not their inputs' errors
+            notes += measure_without_rounding(rows, side_a.values("tensor", ""), side_b.values("tensor", ""), a, b,
+                                              thresholds)
     rows["args_differ"] = arguments_differ(rows, a, b, ia, ib)
     replayed = 0
     if replay:

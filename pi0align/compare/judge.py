@@ -91,7 +91,8 @@ def judge(calls: Table, fallback: str, exact: bool = False) -> Judgement:
     other_arguments = calls["args_differ"] & calls["outputs_fail"] & ~module
     # bit-comparable runs: identical inputs and differing outputs prove a change, one the numbers
     # cannot see (a change they see is judged by the model above, the inputs' error being zero)
-    by_bits = exact & ~module & calls["inputs_identical"] & calls["outputs_differ"] & (calls["output_error"] < INVISIBLE)
+    by_bits = exact & ~module & calls["inputs_identical"] & calls["outputs_differ"]
+    by_bits &= calls["output_error"] < INVISIBLE
     judged = np.where(replayed, b_wrong | a_wrong, rule & ~with_calls_inside)
     culprit = innermost(calls, judged | by_bits | other_arguments)
     evidence = np.where(other_arguments, "arguments", np.where(by_bits, "exact",
