@@ -67,6 +67,7 @@ class Judgement:
     wrong_side: np.ndarray
     blame: np.ndarray
     explained: np.ndarray  # judged within noise: its outputs' differences are inherited or rounding
+    # (explain.py leaves out the modules around a culprit, and every call after the first)
 
     def __bool__(self) -> bool:
         return bool(self.culprit.any())
@@ -75,7 +76,6 @@ class Judgement:
 def judge(calls: Table, fallback: str, exact: bool = False) -> Judgement:
     """Judge every call: by its bits where the runs are bit-comparable (`exact`), by replay where
     both sides were replayed, else by `fallback` ("reference" or "intrinsic")."""
-    n = len(calls)
     e_a, e_b = calls["local_error_a"].astype(np.float64), calls["local_error_b"].astype(np.float64)
     u_a, u_b = calls["unit_a"].astype(np.float64), calls["unit_b"].astype(np.float64)
     replayed = ~np.isnan(e_a) & ~np.isnan(e_b)
@@ -100,8 +100,7 @@ def judge(calls: Table, fallback: str, exact: bool = False) -> Judgement:
     wrong = np.where(b_wrong, "B", np.where(a_wrong, "A", "")).astype(object)
     blame = np.where(replayed & ~other_arguments, local_ratio, calls["introduced_error"].astype(np.float64))
     wrong[evidence != "replay"] = ""
-    return Judgement(culprit=culprit, evidence=evidence, wrong_side=wrong, blame=blame,
-                     explained=~culprit & (replayed | ~module | with_calls_inside) if n else np.zeros(0, bool))
+    return Judgement(culprit=culprit, evidence=evidence, wrong_side=wrong, blame=blame, explained=~culprit)
 
 
 def noise_model(judgement: Judgement, fallback: str) -> str:
