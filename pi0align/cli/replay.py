@@ -27,7 +27,7 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from pi0align.compare.judge import replay_floor, replay_ratio_limit
+    from pi0align.compare.judge import wrong_sides
     from pi0align.compare.open_dump import open_run
     from pi0align.compare.replayed import RecordedCalls
     from pi0align.compare.thresholds import UNIT_ROUNDOFF, dtype_class
@@ -81,10 +81,8 @@ def main(args: argparse.Namespace) -> int:
     if len(results) < 2:
         console.print(f"unit roundoff of the result dtype: {format_number(units[0])}")
         return 0
-    e_a, e_b = results[0].error, results[1].error
-    u_a, u_b = np.array([units[0]]), np.array([units[1]])
-    b_wrong = e_b > replay_ratio_limit(u_b)[0] * e_a + replay_floor(u_b)[0]
-    a_wrong = not b_wrong and e_a > replay_ratio_limit(u_a)[0] * e_b + replay_floor(u_a)[0]
+    b_wrong, a_wrong, _ = (bool(v[0]) for v in wrong_sides(*(np.array([x]) for x in (
+        results[0].error, results[1].error, units[0], units[1]))))
     verdict = "B is wrong" if b_wrong else "A is wrong" if a_wrong else "both within noise of each other"
     console.print(f"verdict: {verdict}", style="bold red" if b_wrong or a_wrong else "bold green")
     return 1 if b_wrong or a_wrong else 0

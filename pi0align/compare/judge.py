@@ -56,6 +56,16 @@ def replay_floor(unit: np.ndarray) -> np.ndarray:
     return np.where(np.isin(unit, _HALF), 3.0, 16.0) * unit
 
 
+def wrong_sides(e_a: np.ndarray, e_b: np.ndarray, u_a: np.ndarray, u_b: np.ndarray):
+    """(B wrong, A wrong, the wrong side's local error over the other's, floored) from both sides'
+    local errors and their results' unit roundoffs."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        b_wrong = e_b > replay_ratio_limit(u_b) * e_a + replay_floor(u_b)
+        a_wrong = (e_a > replay_ratio_limit(u_a) * e_b + replay_floor(u_a)) & ~b_wrong
+        ratio = np.where(b_wrong, e_b / np.maximum(e_a, replay_floor(u_b)), e_a / np.maximum(e_b, replay_floor(u_a)))
+    return b_wrong, a_wrong, ratio
+
+
 @dataclass(frozen=True)
 class Judgement:
     """Per call (rows of the calls table): culprit or not, by which evidence, which side is wrong
@@ -79,11 +89,9 @@ def judge(calls: Table, fallback: str, exact: bool = False) -> Judgement:
     e_a, e_b = calls["local_error_a"].astype(np.float64), calls["local_error_b"].astype(np.float64)
     u_a, u_b = calls["unit_a"].astype(np.float64), calls["unit_b"].astype(np.float64)
     replayed = ~np.isnan(e_a) & ~np.isnan(e_b)
-    with np.errstate(invalid="ignore", over="ignore"):
-        b_wrong = replayed & (e_b > replay_ratio_limit(u_b) * e_a + replay_floor(u_b))
-        a_wrong = replayed & (e_a > replay_ratio_limit(u_a) * e_b + replay_floor(u_a)) & ~b_wrong
-        local_ratio = np.where(b_wrong, e_b / np.maximum(e_a, replay_floor(u_b)),
-                               e_a / np.maximum(e_b, replay_floor(u_a)))
+    b_wrong, a_wrong, local_ratio = wrong_sides(e_a, e_b, u_a, u_b)
+    b_wrong &= replayed
+    a_wrong &= replayed
     rule = introduces_error(calls) & stands_out(calls)
     module = np.char.startswith(calls["api"].astype(str), "Module.")
     with_calls_inside = module & _with_calls_below(calls, ~module)  # judged by the calls made inside it
