@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pi0align.dump.arguments import tensors_of
 from pi0align.replay.apis import NotReplayable, resolve
 from pi0align.replay.arguments import rebuild
 
@@ -118,7 +119,7 @@ def _call(func, described: dict, inputs: list[torch.Tensor]):
     if func in _INDEXING and len(args) > 1:
         args[1] = _index(args[1])
     result = func(*args, **kwargs)
-    return _tensors(result) or inputs[:1]  # an in-place call without a result changed its first input
+    return tensors_of(result) or inputs[:1]  # an in-place call without a result changed its first input
 
 
 _INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
@@ -155,14 +156,3 @@ def _backward(func, described: dict, inputs: list[torch.Tensor], call: RecordedC
     for i, grad in zip(order, grads):
         references[i] = torch.zeros_like(leaves[i]) if grad is None else grad
     return references
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    """Every tensor in a result, depth-first, as the dumper flattens them (dump/arguments.py)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors(item)]
-    return []
