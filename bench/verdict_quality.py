@@ -1,6 +1,8 @@
-"""The verdict's scoreboard: emulated devices (ulp noise, TF32 matmuls, one faulty call, SDPA
-against manual attention) on toy models, and real PI0 with 1 against 2 threads, each compared the
-way a user would; prints case, verdict, top culprit and whether that is right. A benchmark to
+"""The verdict's scoreboard: emulated devices (ulp noise, TF32 matmuls, one faulty call or its
+gradient, SDPA against manual attention) on toy models, runs that differ in the optimizer's eps,
+one sample of the batch, the seed or the dtype, and real PI0 with 1 against 2 threads, each
+compared the way a user would; prints case, verdict, first divergence (kind, name, direction,
+evidence), top culprit group and whether that is right. A benchmark to
 read, not a test (tests/test_verdict.py asserts the acceptance cases).
 
     .venv/bin/python bench/verdict_quality.py [--pi0] [--work DIR]
@@ -28,18 +30,26 @@ def main() -> None:
         work = args.work or Path(temporary)
         work.mkdir(parents=True, exist_ok=True)
         made: dict = {}
-        print(f"{'case':58} {'expected':9} {'verdict':46} top culprit")
+        print(f"{'case':64} {'expected':9} {'verdict':46} first divergence; top culprit group")
         score = 0
         for case in cases:
             result, right = play(case, work, made)
             score += right
-            top = result.culprits[0] if result.culprits else None
-            shown = f"{top.name} ({top.direction}, {top.evidence})" if top else "-"
+            first = result.first_divergence
+            evidence = {(c.step, c.name, c.direction): c.evidence for c in result.culprits}
+            shown = (f"{first.kind} {first.name} ({first.direction}, step {first.step}, "
+                     f"{evidence.get((first.step, first.name, first.direction), 'no culprit')})" if first else "-")
+            if result.culprit_groups:
+                group = result.culprit_groups[0]
+                shown += f"; {group.api} ×{group.count}"
             verdict = (f"{result.verdict}{' within noise' if result.within_noise else ''} [{result.noise_model}], "
                        f"{len(result.culprits)} culprits")
-            print(f"{case.name:58} {case.verdict:9} {verdict:46} {shown}  {'right' if right else 'WRONG'}")
-            if case.top and not right:
-                print(f"{'':58} expected top culprit: {case.top}")
+            print(f"{case.name:64} {case.verdict:9} {verdict:46} {shown}  {'right' if right else 'WRONG'}")
+            if not right:
+                expected = ", ".join(f"{k} {v}" for k, v in (("name", case.top), ("kind", case.kind),
+                                                               ("direction", case.direction), ("step", case.step),
+                                                               ("group", case.group)) if v is not None)
+                print(f"{'':64} expected first divergence: {expected}")
         print(f"score: {score}/{len(cases)} right")
 
 

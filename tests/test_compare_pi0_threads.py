@@ -47,3 +47,19 @@ def test_thread_noise_passes_calibrated_thresholds(thread_runs):
     assert calibrated["float32"]["rel_l2_err"] > 0
     result = compare_dumps(thread_runs[2], thread_runs[1], thresholds=calibrated)
     assert (result.rows["verdict"] == "fail").sum() == 0 and result.verdict == "aligned"
+
+
+def test_run_records_the_batch_and_the_optimizer_update_of_every_parameter(thread_runs):
+    """`pi0align run --dump-steps` alone records PI0's processed batch as data and AdamW's update of
+    each trained parameter: the same names on both runs, none of them blamed for thread noise."""
+    from pi0align.compare.open_dump import open_run
+
+    records = open_run(thread_runs[1], None)[0].records
+    names = set(records["name"][records["direction"] == "data"].tolist())
+    assert {"observation.state/Data#0", "action/Data#0"} <= names
+    updated = set(records["name"][records["direction"] == "optimizer"].tolist())
+    trained = {name.replace("/Parameter#0", "/Optimizer.step#0")
+               for name, role in zip(records["name"].tolist(), records["role"].tolist()) if role == "parameter_grad"}
+    assert updated == trained and len(updated) > 100
+    result = compare_dumps(thread_runs[2], thread_runs[1])
+    assert not [c for c in result.culprits if c.kind != "call"]

@@ -16,7 +16,13 @@ from pi0align.dump.kernel import KERNEL
 
 torch.set_num_threads(1)
 
-API_CALLS = [
+# the parameters (as the forward first reads them) and the batch open every dumped step
+PARAMETERS = ("block.proj.weight", "block.proj.bias", "head.weight", "head.bias")
+OPENING_CALLS = [(f"{p}/Parameter#0", "parameter") for p in PARAMETERS] + [("input/Data#0", "data")]
+OPENING_RECORDS = [(f"{p}/Parameter#0", "parameter", role, 0) for p in PARAMETERS
+                   for role in ("parameter", "parameter_grad")] + [("input/Data#0", "data", "output", 0)]
+
+API_CALLS = OPENING_CALLS + [
     ("block.proj/Functional.linear#0", "forward"),
     ("block/Torch.tanh#0", "forward"),
     ("block.proj/Functional.linear#1", "forward"),
@@ -31,10 +37,6 @@ API_CALLS = [
     ("block.proj/Functional.linear#1", "backward"),
     ("block/Torch.tanh#0", "backward"),
     ("block.proj/Functional.linear#0", "backward"),
-    ("block.proj.weight/Parameter#0", "parameter"),
-    ("block.proj.bias/Parameter#0", "parameter"),
-    ("head.weight/Parameter#0", "parameter"),
-    ("head.bias/Parameter#0", "parameter"),
 ]
 
 
@@ -52,7 +54,7 @@ def _unary(name, direction):
 
 
 API_RECORDS = (
-    _linear("block.proj/Functional.linear#0", "forward") + _unary("block/Torch.tanh#0", "forward")
+    OPENING_RECORDS + _linear("block.proj/Functional.linear#0", "forward") + _unary("block/Torch.tanh#0", "forward")
     + _linear("block.proj/Functional.linear#1", "forward") + _unary("block/Torch.tanh#1", "forward")
     + _linear("head/Functional.linear#0", "forward") + _unary("/Tensor.square#0", "forward")
     + _unary("/Tensor.mean#0", "forward") + _unary("/Tensor.mean#0", "backward")
@@ -60,11 +62,9 @@ API_RECORDS = (
     + _unary("block/Torch.tanh#1", "backward") + _linear("block.proj/Functional.linear#1", "backward")
     + _unary("block/Torch.tanh#0", "backward")
     + _linear("block.proj/Functional.linear#0", "backward", x_has_grad=False)
-    + [(f"{p}/Parameter#0", "parameter", role, 0) for p in ("block.proj.weight", "block.proj.bias", "head.weight",
-                                                            "head.bias") for role in ("parameter", "parameter_grad")]
 )
 
-MIX_CALLS = [
+MIX_CALLS = OPENING_CALLS + [
     ("/Module.Net#0", "forward"),
     ("block/Module.Block#0", "forward"),
     ("block.proj/Module.Linear#0", "forward"),
@@ -91,7 +91,6 @@ MIX_CALLS = [
     ("block/Module.Block#0", "backward"),
     ("block.proj/Functional.linear#0", "backward"),
     ("block.proj/Module.Linear#0", "backward"),
-    *API_CALLS[-4:],
 ]
 
 
@@ -129,7 +128,7 @@ def test_api_level_calls_and_records_are_exactly_the_known_sequence(dumped):
     modules = dict(zip(calls["name"], calls["module"]))
     assert modules["block.proj/Functional.linear#1"] == "block.proj" and modules["/Tensor.mean#0"] == ""
     assert modules["head.weight/Parameter#0"] == "head"
-    assert set(calls["api"][:3]) == {"Functional.linear", "Torch.tanh"}
+    assert set(calls["api"][5:8]) == {"Functional.linear", "Torch.tanh"}
     assert tables["attrs"]["complete"] and tables["attrs"]["step"] == 1
 
 
@@ -138,7 +137,7 @@ def test_mix_level_adds_module_calls_in_order_and_module_level_has_only_them(dum
     assert list(zip(calls["name"], calls["direction"])) == MIX_CALLS
     module_calls = read_step(dumped["module"], 1)["calls"]
     assert list(zip(module_calls["name"], module_calls["direction"])) == [
-        c for c in MIX_CALLS if "/Module." in c[0] or c[1] == "parameter"]
+        c for c in MIX_CALLS if "/Module." in c[0] or c[1] in ("parameter", "data")]
 
 
 def test_statistics_and_checksums_are_those_of_the_real_tensors(dumped):
@@ -240,7 +239,8 @@ def test_msprobe_style_start_stop_around_each_step(tmp_path, close_each_step):
     dumper.close()  # the writer process has written both steps
     for step in (0, 1):
         calls = read_step(tmp_path / "dump.h5", step)["calls"]
-        assert calls["name"][:2] == ["block.proj/Functional.linear#0", "block/Torch.tanh#0"]
+        assert calls["name"][:7] == [name for name, _ in OPENING_CALLS] + ["block.proj/Functional.linear#0",
+                                                                            "block/Torch.tanh#0"]
         assert calls["direction"].count("backward") == 6
 
 

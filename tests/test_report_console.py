@@ -5,13 +5,23 @@ from __future__ import annotations
 import io
 
 from rich.console import Console
-from test_report_samples import BACKWARD_NAME, CULPRIT_MODULE, CULPRIT_STACK, EXTRA_NAME, sample_comparison
+import dataclasses
+import os
+
+from test_report_samples import (
+    BACKWARD_NAME,
+    CULPRIT_MODULE,
+    CULPRIT_STACK,
+    EXTRA_NAME,
+    GROUP_HINT,
+    sample_comparison,
+)
 
 from pi0align.report.console import print_summary, progress_bar
 
 
-def render(comparison, **options) -> str:
-    console = Console(file=io.StringIO(), width=220, color_system=None)
+def render(comparison, width: int = 220, **options) -> str:
+    console = Console(file=io.StringIO(), width=width, color_system=None)
     print_summary(comparison, console, **options)
     return console.file.getvalue()
 
@@ -28,12 +38,35 @@ def test_diverged_summary_names_the_culprit_where_to_look_and_the_evidence():
     lines = text.splitlines()
     culprit_at = [i for i, line in enumerate(lines) if CULPRIT_MODULE in line and "1e+05" in line]
     assert len(culprit_at) == 1 and "Functional.gelu" in lines[culprit_at[0]]
-    assert "at " + CULPRIT_STACK[-1] in lines[culprit_at[0] + 1]
+    assert CULPRIT_STACK[-1] in lines[culprit_at[0] + 1]
     assert BACKWARD_NAME in text[text.index("first divergence in backward"):text.index("top culprits")]
     assert EXTRA_NAME in text  # the record on one side only is listed, not just counted
     manifest_line = next(line for line in text.splitlines() if "versions.torch_npu" in line)
     assert "null" in manifest_line and "2.5.1" in manifest_line  # absent on one side: null, as in the JSON
     assert "note: sample note" in text
+
+
+def test_the_culprit_table_reads_at_80_columns_with_call_sites_relative_to_the_working_folder():
+    comparison = sample_comparison()
+    here = os.path.join(os.getcwd(), "pi0align", "pi0", "policy.py:57 forward")
+    deep = "model.paligemma_with_expert.gemma_expert.model.layers.1.mlp.gate_proj"
+    comparison.culprits[1] = dataclasses.replace(comparison.culprits[1], module=deep, stack=[here],
+                                                 name=f"{deep}/Functional.linear#0", kind="call")
+    text = render(comparison, width=80)
+    table = text[text.index("top culprits"):text.index("culprit groups")].splitlines()
+    assert all(len(line) <= 80 for line in table), table
+    call, site = next((line, table[i + 1]) for i, line in enumerate(table) if "gate_proj" in line)
+    assert call.rstrip().endswith("gate_proj · Functional.linear#0") and "…" in call  # its start cut, not its end
+    assert site.strip() == "pi0align/pi0/policy.py:57 forward"
+    culprit = next(line for line in table if CULPRIT_MODULE in line)
+    assert culprit.split()[:5] == ["1", "0", "call", "fwd", "intrinsic"]
+
+
+def test_culprit_groups_and_their_hints_are_listed():
+    text = render(sample_comparison())
+    groups = text[text.index("culprit groups"):]
+    assert "Functional.gelu" in groups and "matmul family" in groups and "12%" in groups
+    assert f"hint (matmul family): {GROUP_HINT}" in " ".join(groups.split())
 
 
 def test_top_limits_the_culprits_shown():

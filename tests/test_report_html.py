@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_report_samples import BACKWARD_NAME, CULPRIT_MODULE, CULPRIT_NAME, EXTRA_NAME, sample_comparison
+from test_report_samples import BACKWARD_NAME, CULPRIT_MODULE, CULPRIT_NAME, EXTRA_NAME, GROUP_HINT, sample_comparison
 
 from pi0align.compare.result import ROW_COLUMNS
 from pi0align.compare.table import Table
@@ -149,6 +149,13 @@ def test_report_works_offline_and_shows_verdict_culprit_and_charts(open_report):
     assert CULPRIT_NAME in page.inner_text("#first-divergence")
     assert BACKWARD_NAME in page.inner_text("#first-divergence-backward")
     assert "versions.torch_npu" in page.inner_text("#manifest")
+    assert "call" in page.inner_text("#culprits tbody tr:first-child .kind")
+    groups = page.inner_text("#culprit-groups")
+    assert "matmul family" in groups and GROUP_HINT in groups
+    # the module tree: the culprits' modules (layers 2 and 3) and every module above them hold a culprit
+    culprit_paths = page.locator("#module-tree li.culprit > .module-name").all_inner_texts()
+    assert culprit_paths == ["(model)", "model", "layers", "2", "mlp", "3", "mlp"]
+    assert page.locator("#module-tree li.module").count() == 1 + 2 + 4 * 2  # (model), model, layers, 4 × (i, mlp)
     for chart in ("errors", "loss", "grad_norm"):
         assert page.locator(f"#chart-{chart} .main-svg").count() > 0
     assert page.locator("#chart-loss .scatterlayer .trace").count() == 2  # A and B

@@ -11,13 +11,14 @@ import math
 import numpy as np
 import pandas as pd
 
-from pi0align.compare.result import ROW_COLUMNS, CallRef, Comparison, Culprit
+from pi0align.compare.result import ROW_COLUMNS, CallRef, Comparison, Culprit, CulpritGroup
 
 CULPRIT_MODULE = "model.layers.2.mlp"
 CULPRIT_NAME = f"{CULPRIT_MODULE}/Functional.gelu#0"
 CULPRIT_STACK = ["train.py:88 train_step", "modeling_pi0.py:412 forward", "gemma.py:131 forward"]
 BACKWARD_NAME = "model.layers.3.mlp/Functional.linear#1"
 EXTRA_NAME = "model.layers.0.mlp/Tensor.contiguous#0"
+GROUP_HINT = "most calls of Functional.linear introduce error: its kernel differs on one side"
 THRESHOLDS = {"float32": {"rel_l2_err": 1e-5, "cosine": 0.99999}, "bfloat16": {"rel_l2_err": 8e-3, "cosine": 0.999}}
 
 
@@ -98,4 +99,11 @@ def sample_comparison(*, diverged: bool = True, n_steps: int = 2, calls_per_step
         manifest_diff=[("device", "cuda", "npu"), ("versions.torch_npu", None, "2.5.1")],
         notes=["sample note: initial weights agree"] if diverged else [],
         first_divergence_backward=first_backward,
+        culprit_groups=[
+            CulpritGroup(kind="call", api="Functional.gelu", count=1, calls=8, share_introducing=0.125,
+                         median_ratio=1e5, median_output_error=1e-3, examples=[CULPRIT_NAME]),
+            CulpritGroup(kind="call", api="matmul family", count=1, calls=8, share_introducing=0.5,
+                         median_ratio=1.0, median_output_error=1e-3, hint=GROUP_HINT,
+                         examples=["model.layers.3.mlp/Functional.linear#0"]),
+        ] if diverged else [],
     )

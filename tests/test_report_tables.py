@@ -39,13 +39,19 @@ def test_json_summary_of_a_diverged_comparison(tmp_path):
     assert summary["coverage"] == {"matched": 64, "only_a": 0, "only_b": 1}
     assert summary["first_divergence"] == {
         "step": 0, "name": CULPRIT_NAME, "module": "model.layers.2.mlp", "api": "Functional.gelu",
-        "direction": "forward", "stack": CULPRIT_STACK, "rank": 0,
+        "direction": "forward", "stack": CULPRIT_STACK, "rank": 0, "kind": "call",
     }
     assert summary["first_divergence_backward"]["name"] == BACKWARD_NAME
     culprits = summary["culprits"]
     assert [c["name"] for c in culprits] == [CULPRIT_NAME, "model.layers.3.mlp/Functional.linear#0"]
     assert culprits[0]["introduced_error"] == 1e5 and culprits[0]["metric"] == "rel_l2_err"
     assert set(culprits[0]) >= {"step", "name", "module", "api", "direction", "introduced_error", "stack"}
+    assert culprits[0]["kind"] == "call"
+    groups = summary["culprit_groups"]
+    assert [(g["kind"], g["api"], g["count"]) for g in groups] == [("call", "Functional.gelu", 1),
+                                                                    ("call", "matmul family", 1)]
+    assert set(groups[1]) == {"kind", "api", "count", "calls", "share_introducing", "median_ratio",
+                              "median_output_error", "hint", "examples"} and groups[1]["hint"]
     assert summary["thresholds"] == THRESHOLDS
     assert summary["manifest_diff"][1] == {"key": "versions.torch_npu", "a": None, "b": "2.5.1"}
     assert summary["row_verdicts"]["fail"] == 21

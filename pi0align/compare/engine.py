@@ -11,15 +11,22 @@ import numpy as np
 
 from pi0align.compare import rootcause
 from pi0align.compare.align import pair_records
-from pi0align.compare.arguments import arguments_differ
+from pi0align.compare.arguments import arguments_differ, hyper_parameter_differences
 from pi0align.compare.explain import (
     bit_comparable,
+    data_differ,
     explained_rows,
     identical_values,
     rows_of,
 )
+from pi0align.compare.groups import culprit_groups
 from pi0align.compare.judge import judge, noise_model
-from pi0align.compare.manifest import manifest_diff, manifest_notes, numerics_notes
+from pi0align.compare.manifest import (
+    manifest_diff,
+    manifest_notes,
+    numerics_notes,
+    weights_comparable,
+)
 from pi0align.compare.metrics import (
     STATS_METRICS,
     TENSOR_METRICS,
@@ -136,8 +143,9 @@ def _work(a: Dump, b: Dump, replay: bool) -> int:
 
 
 def _compare_rank(a: Dump, b: Dump, tracker: _Tracker, replay: bool,
-                  thresholds: dict) -> tuple[Table, list[str], Callable]:
-    """Rows of one rank (metrics filled, not yet judged), notes, and the stack of a call."""
+                  thresholds: dict) -> tuple[Table, list[str], Callable, list]:
+    """Rows of one rank (metrics filled, not yet judged), notes, the stack of a call, and the
+    optimizer settings that differ."""
     ra, rb = a.records, b.records
     pairs = pair_records(ra, rb)
     ia, ib = pairs["ia"], pairs["ib"]
@@ -186,7 +194,7 @@ def _compare_rank(a: Dump, b: Dump, tracker: _Tracker, replay: bool,
         rows["local_error_a"], rows["local_error_b"] = np.full(len(ia), np.nan), np.full(len(ia), np.nan)
         rows["replay"] = np.full(len(ia), "", dtype=object)
     tracker.advance(max(_work(a, b, replay) - streamed - replayed, 0))  # steps, unpaired tensors, calls not replayed
-    return rows, notes, _stack_lookup(a)
+    return rows, notes, _stack_lookup(a), _hyper_parameters(a, b)
 
 
 class _Side:
@@ -254,6 +262,19 @@ def _fill_tensors(rows: Table, sa: _Side, sb: _Side, mask: np.ndarray, a: Dump, 
     return len(use)
 
 
+def _hyper_parameters(a: Dump, b: Dump) -> list[tuple[str, object, object]]:
+    """The optimizer settings that differ, from the first update both sides recorded."""
+    if a.args_reader is None or b.args_reader is None:
+        return []
+    first = []
+    for dump in (a, b):
+        found = np.flatnonzero(dump.records["direction"] == "optimizer")
+        if not len(found):
+            return []
+        first.append(dump.args_reader(int(dump.records["step"][found[0]]), int(dump.records["call"][found[0]])))
+    return hyper_parameter_differences(*first)
+
+
 def _stack_lookup(dump: Dump) -> Callable[[int, int], list[str]]:
     """(step, seq) -> user frames of the call, for the culprit report; made when asked (few are)."""
     records = dump.records
@@ -285,49 +306,52 @@ def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, r
     if runs_reference is not None:
         notes += reference_notes(runs_reference)
     rows["identical"] = identical_values(rows)
+    rows["verdict"][data_differ(rows)] = "fail"
     first_a, first_b = runs_a[min(runs_a)], runs_b[min(runs_b)]
     diff = manifest_diff(first_a.manifest, first_b.manifest)
     calls = rootcause.call_errors(rows)
     fallback = "reference" if reference is not None else "intrinsic"
-    judgement = judge(calls, fallback, exact=bit_comparable(rows, diff))
+    judgement = judge(calls, fallback, exact=bit_comparable(rows, diff, first_a.manifest))
     rows["verdict"][explained_rows(rows, calls, judgement)] = "warn"
     exact = rows_of(rows, calls, judgement.culprit & (judgement.evidence == "exact"))
     # a change its statistics may not see
     rows["verdict"][exact & isin(rows["role"], OUTPUT_ROLES) & ~rows["identical"]] = "fail"
     rows["introduced_error"] = _introduced_per_row(rows, calls)
     stack_of = lambda rank, step, seq: stack_lookups[rank](step, seq) if rank in stack_lookups else []
-    first_fwd = rootcause.first_divergence(calls, judgement.culprit, "forward", stack_of)
-    first_bwd = rootcause.first_divergence(calls, judgement.culprit, "backward", stack_of)
+    first = rootcause.first_divergence(calls, judgement.culprit, stack_of)
+    first_bwd = rootcause.first_divergence(calls, judgement.culprit, stack_of, direction="backward")
     notes += manifest_notes(diff) + numerics_notes(first_a.manifest, first_b.manifest)
-    notes += _parameter_notes(rows) + _coverage_notes(rows)
-    verdict, pairing, role, step = rows["verdict"], rows["pairing"], rows["role"], rows["step"]
+    notes += _coverage_notes(rows)
+    hyper_parameters = parts[0][3] if parts else []
+    if hyper_parameters:
+        notes.append("the optimizer's hyper-parameters differ: " + ", ".join(
+            f"{key} {va!r} in A, {vb!r} in B" for key, va, vb in hyper_parameters))
+    verdict, pairing = rows["verdict"], rows["pairing"]
     failed = bool((verdict == "fail").any())
     # different initial weights make every later agreement accidental: never "aligned"
-    first_step = step.min() if len(rows) else 0
-    weights_differ = any(key == "weights_sha256" and None not in (va, vb) for key, va, vb in diff) or bool(
-        ((role == "parameter") & (verdict == "fail") & (step == first_step)).any())
+    weights_differ = _weights_differ(diff) or bool(
+        (judgement.culprit & (calls["kind"] == "initial_weights")).any())
     coverage = {"matched": int(isin(pairing, ["matched", "realigned", "shape_mismatch", "dtype_mismatch"]).sum()),
                 "only_a": int((pairing == "only_a").sum()), "only_b": int((pairing == "only_b").sum())}
     coverage.update({label: int((pairing == label).sum())
                      for label in ("realigned", "shape_mismatch", "dtype_mismatch")})
-    first = first_fwd or first_bwd
     if failed and first is None:
-        first = (rootcause.first_failing(calls, "forward", stack_of)
-                 or rootcause.first_failing(calls, "backward", stack_of))
+        first = rootcause.first_failing(calls, stack_of)
         if first is not None:
             notes.append(f"no call introduces error beyond noise: the first differing call, {first.name} "
                          f"(step {first.step}), already receives differing inputs (input data, initial weights, "
                          "or an operation that was not dumped differ)")
-    order = np.lexsort((rows["seq_b"], rows["seq_a"], step, rows["rank"]))  # NaN (no record) last
+    order = np.lexsort((rows["seq_b"], rows["seq_a"], rows["step"], rows["rank"]))  # NaN (no record) last
     return Comparison(
-        verdict="diverged" if failed or weights_differ else "aligned",
+        verdict="diverged" if failed or weights_differ or judgement else "aligned",
         rows=rows.select(ROW_COLUMNS).take(order),
         coverage=coverage, first_divergence=first, culprits=rootcause.culprits(calls, judgement, stack_of),
         thresholds=thresholds, source_a=source_a, source_b=source_b,
         metrics_a=first_a.metrics, metrics_b=first_b.metrics, manifest_diff=diff, notes=notes,
         first_divergence_backward=first_bwd,
         noise_model=noise_model(judgement, fallback),
-        rows_over_dtype_limits=int(rows["over_dtype_limits"].sum()))
+        rows_over_dtype_limits=int(rows["over_dtype_limits"].sum()),
+        culprit_groups=culprit_groups(calls, judgement, hyper_parameters))
 
 
 def _introduced_per_row(rows: Table, calls: Table) -> np.ndarray:
@@ -338,15 +362,10 @@ def _introduced_per_row(rows: Table, calls: Table) -> np.ndarray:
     return np.where(isin(rows["role"], rootcause.OUTPUT_ROLES), gather(calls["introduced_error"], call, np.nan), np.nan)
 
 
-def _parameter_notes(rows: Table) -> list[str]:
-    params = np.flatnonzero((rows["role"] == "parameter") & (rows["verdict"] == "fail"))
-    if not len(params):
-        return []
-    first_step = int(rows["step"].min())
-    step = int(rows["step"][params].min())
-    count = int((rows["step"][params] == step).sum())
-    what = "initial parameters differ" if step == first_step else "parameters differ"
-    return [f"{what}: {count} parameter tensors fail at step {step} (e.g. {rows['name'][params[0]]})"]
+def _weights_differ(diff: list) -> bool:
+    """The manifests' weights hashes differ, taken in the same dtype (in another dtype the same
+    initial weights hash apart: the parameter records tell instead)."""
+    return weights_comparable(diff) and any(key == "weights_sha256" and None not in (va, vb) for key, va, vb in diff)
 
 
 def _coverage_notes(rows: Table) -> list[str]:

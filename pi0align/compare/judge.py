@@ -17,10 +17,22 @@ Under `reference` and `intrinsic` a call's introduced error must also stand out 
 the same API introduce elsewhere in the run (STANDOUT × their median), unless its API is off as a
 family (`family_off`: every matmul on TF32 inputs), however alike its calls are.
 
+The optimizer's update (kind `optimizer`) is judged as a whole: Adam's update is scale-free, so an
+element whose gradient is rounding noise moves by the learning rate either way, and one update can
+fail by far more than its inputs do (a sign flipped in a zero-initialised bias moves its mean). An
+update is a culprit when it introduces error by more than OPTIMIZER_GAIN (Adam squares the
+gradient) and either its inputs hold the same bits on both sides or the step's typical update
+does so too (`updates_off`: another epsilon, another formula changes every update). The data and
+the parameters have no noise to stand out from: the parameters introduce error whenever they fail
+while the update that made them passes (or nothing made them: the first dumped step); the data
+whenever they fail (they are read, not computed: their bits decide, explain.data_differ).
+
 Where the two runs are bit-comparable (explain.bit_comparable: same device, threads and numerics,
-and the first call's inputs and outputs hold the same bits), checksums are proof: a call handed
-identical inputs whose output bits differ while every measured error is below INVISIBLE (two
-elements swapped: the statistics cannot see it) is a culprit, evidence `exact`. Whatever the evidence, a
+and the first call's inputs and outputs hold the same bits), checksums are proof and there is no
+noise: a kernel not replayed is a culprit exactly when it was handed identical inputs and its
+output bits differ, however small the difference (two elements swapped: the statistics cannot see
+it), evidence `exact`; a kernel handed differing inputs passes on what it was handed (statistics
+cannot tell a propagated difference from an amplified one). Whatever the evidence, a
 call whose outputs fail and whose recorded non-tensor arguments differ
 from the other side's (arguments.py) is a culprit, evidence `arguments`: it was asked something
 else. A module call (`Module.*`) that has API calls recorded inside it is judged by them: it is
@@ -41,7 +53,9 @@ AMPLIFICATION = 10.0  # a call that multiplies the error it receives tenfold int
 STANDOUT = 4.0  # introduced error ≥ 4 × the median of its API's calls
 FAMILY_UNITS = 256.0  # an API whose typical output error is this many unit roundoffs is off as a family
 MIN_PEERS = 4  # fewer calls of an API than this: no median to stand out from
-INVISIBLE = 1e-12  # an error below this is float64 summation noise: the statistics saw no change
+# Adam's second moment squares the gradient (twice its relative error) and the update divides by
+# its root; statistics such as the norm of a square weigh the largest elements' errors more still
+OPTIMIZER_GAIN = 4.0
 # replay: dynamo's same() multipliers (fp32 2, half precision 3) and a floor in unit roundoffs
 # (bf16/fp16: 3 u, above the ~1.3 u of a result moved by up to an ulp and the ~0.4 u of rounding,
 # below a 3 % fault, 7.7 u in bf16; fp32: 16 u, room for reduction-order error over long sums)
@@ -92,17 +106,22 @@ def judge(calls: Table, fallback: str, exact: bool = False) -> Judgement:
     b_wrong, a_wrong, local_ratio = wrong_sides(e_a, e_b, u_a, u_b)
     b_wrong &= replayed
     a_wrong &= replayed
-    rule = introduces_error(calls) & stands_out(calls)
     module = np.char.startswith(calls["api"].astype(str), "Module.")
     with_calls_inside = module & _with_calls_below(calls, ~module)  # judged by the calls made inside it
-    # told other arguments (a scale, an epsilon): computes something else, however right its kernel
-    other_arguments = calls["args_differ"] & calls["outputs_fail"] & ~module
-    # bit-comparable runs: identical inputs and differing outputs prove a change, one the numbers
-    # cannot see (a change they see is judged by the model above, the inputs' error being zero)
-    by_bits = exact & ~module & calls["inputs_identical"] & calls["outputs_differ"]
-    by_bits &= calls["output_error"] < INVISIBLE
+    # bit-comparable runs compute alike: identical inputs and differing outputs prove a change,
+    # however small (TF32 rounding that the statistics hardly see, two elements swapped), and a
+    # kernel handed differing inputs only passes on what it was handed
+    changed = calls["inputs_identical"] & calls["outputs_differ"] & ~with_calls_inside
+    kind = calls["kind"]
+    kernels = changed if exact else introduces_error(calls) & stands_out(calls)
+    rule = np.where(kind == "call", kernels, np.where(kind == "data", calls["outputs_fail"], introduces_error(calls)
+                    & np.where(kind == "optimizer", calls["inputs_identical"] | updates_off(calls), True)))
+    # told other arguments (a scale, an epsilon): computes something else, however right its kernel;
+    # an optimizer told other hyper-parameters is a setup that differs, whatever its outputs show
+    other_arguments = calls["args_differ"] & (calls["outputs_fail"] | (kind == "optimizer")) & ~module
+    by_bits = exact & changed & (kind == "call") & ~replayed
     judged = np.where(replayed, b_wrong | a_wrong, rule & ~with_calls_inside)
-    culprit = innermost(calls, judged | by_bits | other_arguments)
+    culprit = innermost(calls, judged | other_arguments)
     evidence = np.where(other_arguments, "arguments", np.where(by_bits, "exact",
                         np.where(replayed, "replay", fallback))).astype(object)
     wrong = np.where(b_wrong, "B", np.where(a_wrong, "A", "")).astype(object)
@@ -122,7 +141,8 @@ def introduces_error(calls: Table) -> np.ndarray:
     both cases more error leaves the call than enters it (an exact cast from bf16 to fp32 passes
     on its bf16 input's error, judged against fp32's tighter limits, and introduces none)."""
     introduced = calls["introduced_error"]
-    return calls["outputs_fail"] & (introduced > 1) & (calls["inputs_pass"] | (introduced >= AMPLIFICATION))
+    gain = np.where(calls["kind"] == "optimizer", OPTIMIZER_GAIN, 1.0)
+    return calls["outputs_fail"] & (introduced > gain) & (calls["inputs_pass"] | (introduced >= AMPLIFICATION))
 
 
 def stands_out(calls: Table) -> np.ndarray:
@@ -143,6 +163,14 @@ def stands_out(calls: Table) -> np.ndarray:
                 typical[members[own]] = np.nanmedian(others) if not np.isnan(others).all() else np.nan
     with np.errstate(invalid="ignore"):
         return (peers < MIN_PEERS) | family_off(calls, family) | (introduced >= STANDOUT * typical)
+
+
+def updates_off(calls: Table) -> np.ndarray:
+    """The optimizer updates of steps whose median update introduces more than OPTIMIZER_GAIN."""
+    introduced = np.where(calls["kind"] == "optimizer", calls["introduced_error"].astype(np.float64), np.nan)
+    step = Groups(calls["rank"], calls["step"])
+    with np.errstate(invalid="ignore"):
+        return (step.median(introduced) > OPTIMIZER_GAIN)[step.codes]
 
 
 def family_off(calls: Table, family: Groups) -> np.ndarray:

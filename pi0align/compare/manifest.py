@@ -47,9 +47,19 @@ def numerics_notes(a: dict, b: dict) -> list[str]:
     return notes
 
 
+def weights_comparable(diff: list[tuple[str, Any, Any]]) -> bool:
+    """Whether the manifests' weights hashes can tell the initial weights apart: taken in the same
+    dtype (the same weights in fp32 and cast to bf16 hash apart)."""
+    return not any(key == "dtype" for key, _, _ in diff)
+
+
 def manifest_notes(diff: list[tuple[str, Any, Any]]) -> list[str]:
     notes = []
     for key, va, vb in diff:
-        if key in _MEANING and va is not None and vb is not None:
+        if key == "dtype":
+            notes.append(f"the runs differ in dtype ({va} in A, {vb} in B): each pair is judged at the looser "
+                         "dtype's limits, and the initial weights by their values, not their hashes")
+        elif key in _MEANING and va is not None and vb is not None and (key != "weights_sha256"
+                                                                           or weights_comparable(diff)):
             notes.append(f"{_MEANING[key]}: {va!s:.16} vs {vb!s:.16}")
     return notes

@@ -22,6 +22,12 @@ from pi0align.compare.thresholds import looser_classes
 _GRADIENT_ROLES = ("grad_input", "grad_output")
 
 
+def parameter_names(names: np.ndarray) -> np.ndarray:
+    """The parameter a record is about, for parameter and optimizer records (`<parameter>/Parameter#0`,
+    `<parameter>/Optimizer.step#0`): the name without its API part."""
+    return np.array([str(n).rsplit("/", 1)[0] for n in names.tolist()], dtype=object)
+
+
 def noise_driven(rows: Table, thresholds: dict) -> tuple[np.ndarray, list[str]]:
     """Mask of failing rows that only follow rounding noise, and a note about them."""
     limit = np.array([thresholds[c]["rel_l2_err"] if c else 0.0
@@ -41,14 +47,18 @@ def noise_driven(rows: Table, thresholds: dict) -> tuple[np.ndarray, list[str]]:
     failing = rows["verdict"] == "fail"
     driven = rounding & failing
 
-    # parameters updated from a rounding-level gradient at this or an earlier step, and their uses
+    # parameters updated from a rounding-level gradient at this or an earlier step (their optimizer
+    # updates from then on, and the parameters after them), and their uses
     noisy = rounding & parameter_grad
-    noisy_parameters = Groups(rank[noisy], rows["name"][noisy])
+    parameter = parameter_names(rows["name"])
+    noisy_parameters = Groups(rank[noisy], parameter[noisy])
     first_noisy_step = noisy_parameters.min(step[noisy].astype(np.float64))
-    keys = [rank[noisy][noisy_parameters.first], rows["name"][noisy][noisy_parameters.first]]
-    since = gather(first_noisy_step, lookup([rank, rows["name"]], keys), np.nan)  # NaN: never noisy
+    keys = [rank[noisy][noisy_parameters.first], parameter[noisy][noisy_parameters.first]]
+    since = gather(first_noisy_step, lookup([rank, parameter], keys), np.nan)  # NaN: never noisy
+    updated = (step.astype(np.float64) >= np.nan_to_num(since, nan=np.inf)) & (rows["direction"] == "optimizer")
     params = (role == "parameter") & failing
     params &= step.astype(np.float64) >= np.nan_to_num(since, nan=np.inf)
+    driven |= updated & failing
     driven |= params
     checksums = rows["checksum_a"].astype(np.int64)
     same_tensor = set(zip(rank[params].tolist(), step[params].tolist(), checksums[params].tolist()))

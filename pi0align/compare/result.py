@@ -47,9 +47,10 @@ class CallRef:
     name: str
     module: str
     api: str
-    direction: str
+    direction: str  # "forward" | "backward" | "parameter" | "data" | "optimizer"
     stack: list[str] = field(default_factory=list)
     rank: int = 0
+    kind: str = "call"  # "call" | "optimizer" | "data" | "initial_weights" | "parameters"
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,21 @@ class Culprit(CallRef):
     local_error_a: float = float("nan")  # replay: each side's error against float64 from its own inputs
     local_error_b: float = float("nan")
     local_ratio: float = float("nan")  # replay: the wrong side's local error over the other's (floored)
+
+
+@dataclass(frozen=True)
+class CulpritGroup:
+    """Culprits of one kind and API (the matmul family as one API): one finding."""
+
+    kind: str
+    api: str  # the API, "matmul family", or for other kinds "Optimizer.step", "Data", "Parameter"
+    count: int  # culprits in the group
+    calls: int  # judged calls of that kind and API
+    share_introducing: float  # share of those calls that introduce error (outputs fail, more out than in)
+    median_ratio: float  # median blame of the culprits: local error ratio where replayed, else introduced error
+    median_output_error: float
+    hint: str = ""  # what the pattern usually means ("" when it is not a known one)
+    examples: list[str] = field(default_factory=list)  # names of its first culprits
 
 
 class TableField:
@@ -106,6 +122,7 @@ class Comparison:
     first_divergence_backward: CallRef | None = None  # the same search over backward calls
     noise_model: str = "intrinsic"  # the best evidence that judged the run: "replay" | "reference" | "intrinsic"
     rows_over_dtype_limits: int = 0  # pairs beyond the fixed dtype limits, whatever the noise model says
+    culprit_groups: list[CulpritGroup] = field(default_factory=list)  # most culprits first
 
     @property
     def within_noise(self) -> bool:

@@ -3,7 +3,13 @@ divergence and the culprits, from the calls that judge.py finds guilty.
 
 Error propagates, so once one call diverges every later call does too: a call introduces error
 when its inputs agree (pass) and its outputs do not (fail), or when it amplifies what it receives.
-Forward calls are searched in execution order, backward calls in the order autograd ran them.
+Calls are searched in execution order: a step's parameters, its data, its forward calls, its
+backward calls (in the order autograd ran them), its optimizer update.
+
+Not every call is an API's: each has a kind (KINDS). A parameter's record at a step is a call whose
+input is the optimizer's update of it at the step before (none at the first dumped step: its
+weights were given); the data are calls without inputs; a module's parameters are inputs of its
+calls, so a module is never blamed for the weights it was handed.
 """
 
 from __future__ import annotations
@@ -20,7 +26,11 @@ from pi0align.compare.thresholds import UNIT_ROUNDOFF, dtype_class, looser_class
 
 STATS_ERRORS = ["norm_rel_err", "mean_val_rel_err", "min_rel_err", "max_val_rel_err"]
 MAX_CULPRITS = 100
-CALL_COLUMNS = ["rank", "step", "direction", "seq_a", "name", "module", "api", "input_error", "output_error",
+# kind of culprit by the direction of its records ("parameter": initial_weights or parameters)
+KIND_OF_DIRECTION = {"forward": "call", "backward": "call", "optimizer": "optimizer", "data": "data"}
+KINDS = ("call", "optimizer", "data", "initial_weights", "parameters")
+PHASES = ("parameter", "data", "forward", "backward", "optimizer")  # a step's parts in execution order
+CALL_COLUMNS = ["rank", "step", "direction", "kind", "seq_a", "name", "module", "api", "input_error", "output_error",
                 "inputs_pass", "outputs_fail", "introduced_error", "metric",
                 "local_error_a", "local_error_b", "unit_a", "unit_b", "replay", "args_differ", "inputs_identical",
                 "outputs_differ"]
@@ -40,11 +50,11 @@ def row_error(rows: Table) -> tuple[np.ndarray, np.ndarray]:
 
 def call_errors(rows: Table) -> Table:
     """One row per judged call (CALL_COLUMNS), in order of step, seq_a and rank."""
-    judged = rows.take(isin(rows["verdict"], ["pass", "warn", "fail"])
-                       & isin(rows["direction"], ["forward", "backward"]))
+    judged = rows.take(isin(rows["verdict"], ["pass", "warn", "fail"]) & isin(rows["direction"], PHASES)
+                       & (rows["role"] != "parameter_grad"))
     error, metric = row_error(judged)
     is_in = isin(judged["role"], INPUT_ROLES)
-    is_out = isin(judged["role"], OUTPUT_ROLES)
+    is_out = isin(judged["role"], (*OUTPUT_ROLES, "parameter"))
     fail = judged["verdict"] == "fail"
     floor = np.array([UNIT_ROUNDOFF[c] for c in looser_classes(judged["dtype_a"], judged["dtype_b"]).tolist()])
     seq_a = judged["seq_a"].astype(np.int64)
@@ -71,8 +81,11 @@ def call_errors(rows: Table) -> Table:
         "inputs_identical": ~groups.any(is_in & ~judged["identical"].astype(bool)),
         "outputs_differ": groups.any(is_out & ~judged["identical"].astype(bool)),
     })
+    _add_module_parameters(calls, judged, error)
+    _add_parameter_sources(calls, int(rows["step"].min()) if len(rows) else 0)
     _add_saved_tensors(calls)
     calls = calls.take(np.isfinite(calls["output_error"]))  # calls with no judged output introduce nothing
+    calls["kind"] = kinds(calls, int(rows["step"].min()) if len(rows) else 0)
     calls["inputs_pass"] = ~calls["inputs_fail"]
     denominator = np.maximum(calls["input_error"], np.where(calls["floor"] > 0, calls["floor"], np.finfo(float).tiny))
     with np.errstate(over="ignore"):
@@ -84,6 +97,74 @@ def _units(dtypes: np.ndarray) -> np.ndarray:
     """Unit roundoff of each dtype name ("" = none: 0)."""
     table = {d: UNIT_ROUNDOFF[dtype_class(d)] if d else 0.0 for d in set(dtypes.tolist())}
     return np.array([table[d] for d in dtypes.tolist()], np.float64)
+
+
+def kinds(calls: Table, first_step: int) -> np.ndarray:
+    """Each call's kind: a parameter at step 0 holds the initial weights; later, or at a first
+    dumped step past 0, the parameters (what training made of them)."""
+    kind = np.array([KIND_OF_DIRECTION.get(d, "parameters") for d in calls["direction"].tolist()], dtype=object)
+    kind[(kind == "parameters") & (calls["step"] == 0) & (first_step == 0)] = "initial_weights"
+    return kind
+
+
+def _add_module_parameters(calls: Table, judged: Table, error: np.ndarray) -> None:
+    """A module call also reads its parameters and those of the modules below it, as the step's
+    forward first read them (the parameter records): their error is the module call's input error."""
+    params = np.flatnonzero(judged["role"] == "parameter")
+    if not len(params):
+        return
+    worst: dict[tuple, list] = {}  # (rank, step, module path or an ancestor) -> [error, fail, identical]
+    fail, identical = judged["verdict"] == "fail", judged["identical"].astype(bool)
+    for i in params.tolist():
+        parts = str(judged["module"][i]).split(".") if judged["module"][i] else []
+        for n in range(len(parts) + 1):
+            entry = worst.setdefault((int(judged["rank"][i]), int(judged["step"][i]), ".".join(parts[:n])),
+                                     [0.0, False, True])
+            entry[0] = max(entry[0], float(np.nan_to_num(error[i], nan=0.0)))
+            entry[1] |= bool(fail[i])
+            entry[2] &= bool(identical[i])
+    modules = np.flatnonzero(np.char.startswith(calls["api"].astype(str), "Module.")
+                             & (calls["direction"] == "forward"))
+    for i in modules.tolist():
+        entry = worst.get((int(calls["rank"][i]), int(calls["step"][i]), str(calls["module"][i])))
+        if entry is not None:
+            calls["input_error"][i] = max(calls["input_error"][i], entry[0])
+            calls["inputs_fail"][i] |= entry[1]
+            calls["inputs_identical"][i] &= entry[2]
+
+
+def _add_parameter_sources(calls: Table, first_step: int) -> None:
+    """A parameter's input is the optimizer's update of it at the step before. At the first dumped
+    step it has none (the weights were given); past it without that update dumped (a step not
+    dumped, an optimizer not given to the Dumper), what made it is unknown: infinite input error,
+    it introduces nothing."""
+    param = np.flatnonzero(calls["direction"] == "parameter")
+    if not len(param):
+        return
+    update = np.flatnonzero(calls["direction"] == "optimizer")
+    made_by = {(int(calls["rank"][i]), int(calls["step"][i]), str(calls["name"][i]).rsplit("/", 1)[0]): i
+               for i in update.tolist()}
+    for i in param.tolist():
+        step = int(calls["step"][i])
+        source = made_by.get((int(calls["rank"][i]), step - 1, str(calls["name"][i]).rsplit("/", 1)[0]))
+        if source is not None:
+            calls["input_error"][i] = calls["output_error"][source]
+            calls["inputs_fail"][i] = calls["outputs_fail"][source]
+            calls["inputs_identical"][i] = not calls["outputs_differ"][source]
+        elif step != first_step:
+            calls["input_error"][i], calls["inputs_fail"][i], calls["inputs_identical"][i] = np.inf, True, False
+
+
+def phases(directions: np.ndarray) -> np.ndarray:
+    """Each record's or call's phase of its step (the index of its direction in PHASES): a dump
+    may number a step's parameters after its backward calls (msprobe's do), yet they came first."""
+    index = {direction: i for i, direction in enumerate(PHASES)}
+    return np.array([index.get(d, len(PHASES)) for d in directions.tolist()], np.int64)
+
+
+def execution_order(calls: Table) -> np.ndarray:
+    """The calls in execution order: by step, the step's phase, then sequence."""
+    return np.lexsort((calls["seq_a"], phases(calls["direction"]), calls["step"]))
 
 
 def _add_saved_tensors(calls: Table) -> None:
@@ -100,26 +181,28 @@ def _add_saved_tensors(calls: Table) -> None:
     calls["inputs_identical"][backward] &= forward["inputs_identical"][source] & ~forward["outputs_differ"][source]
 
 
-def first_divergence(calls: Table, guilty: np.ndarray, direction: str,
-                     stack_of: Callable[[int, int, int], list[str]]) -> CallRef | None:
-    """First call of `direction` in execution order among `guilty`."""
-    candidates = np.flatnonzero((calls["direction"] == direction) & guilty)
+def first_divergence(calls: Table, guilty: np.ndarray, stack_of: Callable[[int, int, int], list[str]],
+                     direction: str | None = None) -> CallRef | None:
+    """First call in execution order among `guilty` (of `direction` only, when given)."""
+    order = execution_order(calls)
+    wanted = guilty if direction is None else guilty & (calls["direction"] == direction)
+    candidates = order[wanted[order]]
     if not len(candidates):
         return None
     return _ref(CallRef, calls, candidates[0], stack_of)
 
 
-def first_failing(calls: Table, direction: str, stack_of: Callable[[int, int, int], list[str]]) -> CallRef | None:
-    """First call of `direction` whose outputs fail, whatever its inputs (the innermost module)."""
-    return first_divergence(calls, innermost(calls, calls["outputs_fail"]), direction, stack_of)
+def first_failing(calls: Table, stack_of: Callable[[int, int, int], list[str]]) -> CallRef | None:
+    """First call whose outputs fail, whatever its inputs (the innermost module)."""
+    return first_divergence(calls, innermost(calls, calls["outputs_fail"]), stack_of)
 
 
 def culprits(calls: Table, judgement: Judgement, stack_of: Callable[[int, int, int], list[str]]) -> list[Culprit]:
-    """The guilty calls, earliest step first, then forward before backward (a faulty kernel's
-    backward inherits its forward's fault), most blame first."""
+    """The guilty calls, earliest step first, then by the step's phase (PHASES: forward before
+    backward, as a faulty kernel's backward inherits its forward's fault), most blame first."""
     guilty = np.flatnonzero(judgement.culprit)
-    backward = calls["direction"][guilty] == "backward"
-    guilty = guilty[np.lexsort((-judgement.blame[guilty], backward, calls["step"][guilty]))][:MAX_CULPRITS]
+    phase = phases(calls["direction"][guilty])
+    guilty = guilty[np.lexsort((-judgement.blame[guilty], phase, calls["step"][guilty]))][:MAX_CULPRITS]
     number = lambda column, i: float(calls[column][i])
     return [_ref(Culprit, calls, i, stack_of, introduced_error=number("introduced_error", i),
                  input_error=number("input_error", i), output_error=number("output_error", i),
@@ -132,4 +215,5 @@ def culprits(calls: Table, judgement: Judgement, stack_of: Callable[[int, int, i
 def _ref(cls, calls: Table, i: int, stack_of, **extra):
     rank, step, seq = int(calls["rank"][i]), int(calls["step"][i]), int(calls["seq_a"][i])
     return cls(step=step, name=str(calls["name"][i]), module=str(calls["module"][i]), api=str(calls["api"][i]),
-               direction=str(calls["direction"][i]), stack=stack_of(rank, step, seq), rank=rank, **extra)
+               direction=str(calls["direction"][i]), stack=stack_of(rank, step, seq), rank=rank,
+               kind=str(calls["kind"][i]), **extra)

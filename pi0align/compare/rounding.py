@@ -5,8 +5,9 @@ exact arithmetic beside parts that are not: the key slice of a fused qkv bias, w
 rounding noise (softmax ignores a constant shift) while the query and value slices carry the
 signal. There, a parameter gradient's elements that are at rounding level on both sides (below
 the dtype's relative limit times the tensor's largest element on either side) are left out of its
-metrics, and so are the same elements of that parameter at the next dumped step (Adam turns their
-noise into lr-sized updates) and of the records that read it there. The statistics errors of those
+metrics, and so are the same elements of the optimizer's update of that parameter at that step and
+of the parameter at the next dumped step (Adam turns their noise into lr-sized updates) and of the
+records that read it there. The statistics errors of those
 records are left out too (they describe every element): they are judged on the rest, by value.
 
 It runs with replay only: replay judges the calls that read those parameters by their local
@@ -19,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from pi0align.compare.metrics import STATS_METRICS, TENSOR_METRICS, tensor_metrics
+from pi0align.compare.noise import parameter_names
 from pi0align.compare.records import Dump
 from pi0align.compare.table import Table
 from pi0align.compare.thresholds import looser
@@ -31,6 +33,8 @@ def measure_without_rounding(rows: Table, paths_a: np.ndarray, paths_b: np.ndarr
     role, rank, step, name = rows["role"], rows["rank"], rows["step"], rows["name"]
     stored = (rows["evidence"] == "tensor") & (paths_a != "") & (paths_b != "")
     parameters = np.flatnonzero(stored & (role == "parameter"))
+    parameter = parameter_names(name)
+    updates = np.flatnonzero(stored & (rows["direction"] == "optimizer"))
     measured = 0
     for i in np.flatnonzero(stored & (role == "parameter_grad")).tolist():
         grad_a, grad_b = _read(a, rows, paths_a, i), _read(b, rows, paths_b, i)
@@ -41,6 +45,9 @@ def measure_without_rounding(rows: Table, paths_a: np.ndarray, paths_b: np.ndarr
             continue
         keep = ~rounding
         measured += _remeasure(rows, [i], grad_a, grad_b, keep)
+        for j in updates[(rank[updates] == rank[i]) & (step[updates] == step[i])
+                         & (parameter[updates] == parameter[i]) & (rows["shape_a"][updates] == rows["shape_a"][i])]:
+            measured += _remeasure(rows, [int(j)], _read(a, rows, paths_a, j), _read(b, rows, paths_b, j), keep)
         later = parameters[(rank[parameters] == rank[i]) & (name[parameters] == name[i]) & (step[parameters] > step[i])]
         if not len(later):
             continue

@@ -32,6 +32,26 @@ def _flatten(value, out: list[torch.Tensor]) -> None:
             _flatten(item, out)
 
 
+def named_tensors(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a call with their key paths (the batch's keys, for data records): mapping
+    keys and sequence positions joined by "/"; positional arguments by their index, keywords by
+    name, the path of a call's only argument without its own; a lone tensor is "input"."""
+    arguments = [(str(i), a) for i, a in enumerate(args)] + [(str(k), v) for k, v in kwargs.items()]
+    out: list[tuple[str, torch.Tensor]] = []
+    for key, value in arguments:
+        _named(value, "" if len(arguments) == 1 else key, out)
+    return out
+
+
+def _named(value, path: str, out: list) -> None:
+    if isinstance(value, torch.Tensor):
+        out.append((path or "input", value))
+    elif isinstance(value, (tuple, list, Mapping)):
+        items = value.items() if isinstance(value, Mapping) else enumerate(value)
+        for key, item in items:
+            _named(item, f"{path}/{key}" if path else str(key), out)
+
+
 def describe_arguments(args: tuple, kwargs: dict) -> str:
     """`{"args": [...], "kwargs": {...}}` with tensors as `{"tensor": k}`, k in flattening order."""
     counter = iter(range(1 << 62))

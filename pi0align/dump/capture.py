@@ -10,9 +10,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from pi0align.dump import backward
-from pi0align.dump.arguments import describe_arguments, tensors_of
+from pi0align.dump.arguments import describe_arguments, named_tensors, tensors_of
 from pi0align.dump.kernel import KERNEL
 from pi0align.dump.naming import ApiNames, Namer, is_inplace
+from pi0align.dump.optimizer import OptimizerRecorder
 from pi0align.dump.stacks import Stacks
 from pi0align.dump.steplog import Filter, StepLog
 
@@ -56,9 +57,11 @@ class Capture:
         self._model: torch.nn.Module | None = None
         self._modules: list[tuple[str, torch.nn.Module]] = []
         self._parameters: list[tuple[str, str, torch.nn.Parameter]] = []  # (name, module, param)
+        self._parameter_names: dict[int, tuple[str, str]] = {}  # id(param) -> (name, module)
+        self._optimizer: OptimizerRecorder | None = None
         self._forwards: dict[torch.nn.Module, object] = {}  # module -> its forward wrapper
         self._grad_hooks: dict[str, object] = {}  # parameter name -> its gradient hook
-        self._param_rows: dict[int, int] | None = None  # id(param) -> its value record's row, once read
+        self._param_calls: dict[int, int] | None = None  # id(param) -> its call, once the step read them
         self._grad_rows: dict[int, int] = {}  # id(param) -> its latest gradient record's row
         self.native = extension()
         hooks = backward if self.native is None else self.native
@@ -70,12 +73,15 @@ class Capture:
     def installed(self) -> bool:
         return bool(self._handles or self._wrapped) or self._mode is not None
 
-    def install(self, model: torch.nn.Module | None) -> None:
+    def install(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None = None) -> None:
         if model is not self._model:
             self._model, self._forwards, self._grad_hooks = model, {}, {}
             self._modules = list(model.named_modules()) if model is not None else []
             self._parameters = [(name, name.rpartition(".")[0], param)
                                 for name, param in (model.named_parameters() if model is not None else ())]
+            self._parameter_names = {id(param): (name, module) for name, module, param in self._parameters}
+        if optimizer is not None:
+            self._optimizer = OptimizerRecorder(optimizer, lambda: self.log, self._optimized_name, self.selected)
         for path, module in self._modules:
             self._wrap_forward(path, module)
         for name, _, param in self._parameters:
@@ -160,6 +166,9 @@ class Capture:
                 module.forward = previous
         for npu, name, func in self._npu_patches:
             setattr(npu, name, func)
+        if self._optimizer is not None:
+            self._optimizer.remove()
+            self._optimizer = None
         self._npu_patches.clear()
         self._handles.clear()
         self._wrapped.clear()
@@ -199,45 +208,58 @@ class Capture:
         self._open_backward = log.open_backward  # one bound method for every hook of the step
         self._resume()
         self.namer.reset()
-        self._param_rows = None
+        self._param_calls = None
         self._grad_rows = {}
         self._module_paths.clear()
         self._open_modules.clear()
 
     def end_step(self) -> StepLog | None:
-        """Close the step, giving the parameters their call rows last (after every backward call).
-        None when nothing ran in the step."""
+        """Close the step; None when nothing ran in it."""
         log, self.log = self.log, None
         if log is None:
             return None
         log.close()  # gradients of a graph kept past the step are not its
-        if not log.call_count:
-            return None
-        for name, module, param in self._parameters:
-            value, grad = (self._param_rows or {}).get(id(param)), self._grad_rows.get(id(param))
-            if value is None and grad is None:
-                continue
-            call_id = log.open_call(f"{name}/Parameter#0", module, "Parameter", "parameter", -1, "{}")
-            for row in (value, grad):
-                if row is not None:
-                    log.set_call(row, call_id)
-        return log
+        return log if log.call_count else None
+
+    def _optimized_name(self, param: torch.Tensor) -> tuple[str, str]:
+        """(name, module path) of a parameter the optimizer updates; one of no module's by its place."""
+        known = self._parameter_names.get(id(param))
+        if known is not None:
+            return known
+        optimizer = self._optimizer.optimizer
+        place = next(f"optimizer.{g}.{i}" for g, group in enumerate(optimizer.param_groups)
+                     for i, p in enumerate(group["params"]) if p is param)
+        return place, ""
 
     # ---- forward -------------------------------------------------------------------------------
 
     def _read_parameters(self) -> None:
-        """The parameters' values as the step's forward first reads them: once per step."""
-        self._param_rows = {}
+        """The parameters' values as the step's forward first reads them, once per step: each a
+        `Parameter` call of its own, ahead of the step's other calls (its gradient joins it)."""
+        self._param_calls = {}
         with _quiet():
-            for name, _, param in self._parameters:
+            for name, module, param in self._parameters:
                 record_name = f"{name}/Parameter#0"
                 if self.selected(record_name):
-                    row = self.log.add_tensor(-1, record_name, "parameter", 0, param)
-                    self._param_rows[id(param)] = row
+                    call_id = self.log.open_call(record_name, module, "Parameter", "parameter", -1, "{}")
+                    self.log.add_tensor(call_id, record_name, "parameter", 0, param)
+                    self._param_calls[id(param)] = call_id
+
+    def _record_data(self, args: tuple, kwargs: dict) -> None:
+        """The model's inputs (the batch, each micro-batch) as `Data` calls, one per key, after the
+        step's parameters."""
+        if self._param_calls is None:
+            self._read_parameters()
+        with _quiet():
+            for key, tensor in named_tensors(args, kwargs):
+                name = self.namer.next(key, "Data", "data")
+                if self.selected(name):
+                    call_id = self.log.open_call(name, "", "Data", "data", -1, "{}")
+                    self.log.add_tensor(call_id, name, "output", 0, tensor)
 
     def _open(self, module: str, api: str, args: tuple, kwargs: dict) -> tuple[int, str] | None:
         """Name the call and open its row; None when the filter leaves it out."""
-        if self._param_rows is None:
+        if self._param_calls is None:
             self._read_parameters()
         name = self.namer.next(module, api)
         if not self.selected(name):
@@ -287,6 +309,8 @@ class Capture:
         self._module_paths.append(path)
         self._resume()
         opened = None
+        if self.log is not None and not path:
+            self._record_data(args, kwargs)
         if self.log is not None and self.level != "api":
             with _quiet():
                 opened = self._open(path, f"Module.{type(module).__name__}", args, kwargs)
@@ -328,7 +352,13 @@ class Capture:
                 earlier = self._grad_rows.get(id(param))
                 if earlier is not None:
                     self.log.drop(earlier)  # gradient accumulation: the last sum is the gradient
-                self._grad_rows[id(param)] = self.log.add_tensor(-1, record_name, "parameter_grad", 0, param.grad)
+                call_id = (self._param_calls or {}).get(id(param))
+                if call_id is None:  # a parameter the forward did not read through the model
+                    call_id = self.log.open_call(record_name, name.rpartition(".")[0], "Parameter", "parameter",
+                                                 -1, "{}")
+                    self._param_calls = {**(self._param_calls or {}), id(param): call_id}
+                self._grad_rows[id(param)] = self.log.add_tensor(call_id, record_name, "parameter_grad", 0,
+                                                                 param.grad)
 
         return hook
 

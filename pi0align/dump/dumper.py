@@ -30,9 +30,11 @@ class Dumper:
     """Capture every torch API call and module forward/backward of chosen training steps into an
     HDF5 dump file (docs/dump-format.md).
 
-    Either call `start(model)` once before the loop, `step()` after each optimizer step and
-    `stop()` at the end, or, msprobe-style, `start(model)` / `stop()` around each step followed
-    by `step()`. Outside the chosen steps nothing is installed on the model.
+    Either call `start(model, optimizer=optimizer)` once before the loop, `step()` after each
+    optimizer step and `stop()` at the end, or, msprobe-style, `start(...)` / `stop()` around each
+    step followed by `step()`. Outside the chosen steps nothing is installed on the model. Each
+    step records the parameters as the forward reads them, the model's inputs (the batch) as data,
+    every call, and, given the optimizer, its update of each parameter (`Optimizer.step`).
 
     path: a folder (the file is `dump.h5`, `dump-rank<R>.h5` when the world size is above 1) or
         a `.h5` file path.
@@ -76,6 +78,7 @@ class Dumper:
         self._perturbing = False
         self._step = 0
         self._model: torch.nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
         self._created = False  # the dump file exists: a later start() appends to it
         self._writer: DumpWriter | None = None  # between the first start() and close()
         self._tensors_file: str | None = None  # this step's tensor file (tensor mode)
@@ -112,10 +115,11 @@ class Dumper:
         return self.ranks is None or self._rank in self.ranks
 
     def start(self, model: torch.nn.Module | None = None, step: int | None = None,
-              manifest: dict | None = None) -> Dumper:
+              manifest: dict | None = None, optimizer: torch.optim.Optimizer | None = None) -> Dumper:
         """Begin (or resume, msprobe-style) dumping `model`; `step` sets the current step number,
-        `manifest` adds run facts to the manifest. The first call creates the dump file
-        (replacing one left by an earlier run)."""
+        `manifest` adds run facts to the manifest, `optimizer` (a torch.optim.Optimizer) has its
+        updates recorded. The first call creates the dump file (replacing one left by an earlier
+        run)."""
         if manifest is not None:
             self._manifest = {**(self._manifest or {}), **manifest}
         if step is not None:
@@ -125,6 +129,7 @@ class Dumper:
         if not self.enabled:
             return self
         self._model = model if model is not None else self._model
+        self._optimizer = optimizer if optimizer is not None else self._optimizer
         if self._writer is None:
             self._open_writer()
         self._started = True
@@ -211,7 +216,7 @@ class Dumper:
         if self._capture is None:
             self._capture = Capture(self.level, self._filter)
         if not self._capture.installed:
-            self._capture.install(self._model)
+            self._capture.install(self._model, self._optimizer)
         if self._capture.log is None:
             sink = None
             if self.mode == "tensor":

@@ -9,13 +9,27 @@ import numpy as np
 from rich.console import Console, Group
 from rich.markup import escape
 from rich.panel import Panel
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
 from pi0align.compare.result import CallRef, Comparison
 from pi0align.compare.table import isin
-from pi0align.report.formatting import coverage_text, format_number, format_value, innermost_frame
+from pi0align.report.formatting import (
+    call_label,
+    coverage_text,
+    fit_left,
+    format_number,
+    format_value,
+    innermost_frame,
+    relative_frame,
+)
 from pi0align.report.summary import verdict_counts
 
 ProgressCallback = Callable[..., None]
@@ -32,7 +46,12 @@ def print_summary(comparison: Comparison, console: Console, *, top: int = 10) ->
         if call is not None:
             console.print(_first_divergence(title, call))
     if comparison.culprits and top > 0:
-        console.print(_culprit_table(comparison, top))
+        console.print(_culprit_table(comparison, top, console.width))
+    if comparison.culprit_groups:
+        console.print(_groups_table(comparison))
+        for group in comparison.culprit_groups:
+            if group.hint:
+                console.print(Text(f"hint ({group.api}): ", style="bold magenta") + Text(group.hint))
     one_sided = _one_sided_table(comparison)
     if one_sided is not None:
         console.print(one_sided)
@@ -59,35 +78,51 @@ def _verdict_panel(comparison: Comparison) -> Panel:
 
 def _first_divergence(title: str, call: CallRef) -> Panel:
     body = Text.assemble(
-        ("step ", "dim"), str(call.step), ("  direction ", "dim"), call.direction,
-        ("  rank ", "dim"), str(call.rank), "\n",
+        ("kind ", "dim"), (call.kind, "bold"), ("  step ", "dim"), str(call.step), ("  direction ", "dim"),
+        call.direction, ("  rank ", "dim"), str(call.rank), "\n",
         ("module ", "dim"), (call.module or "(top level)", "bold"), "\n",
         ("api ", "dim"), (call.api, "bold"), ("  name ", "dim"), call.name,
     )
     for frame in reversed(call.stack):  # innermost first: the line the user should open
-        body.append("\n  at " + frame, style="cyan")
+        body.append("\n  at " + relative_frame(frame), style="cyan")
     return Panel(body, title=title, border_style="red", expand=False)
 
 
-def _culprit_table(comparison: Comparison, top: int) -> Table:
+_SHORT_DIRECTIONS = {"forward": "fwd", "backward": "bwd"}
+# culprit table columns of fixed width: #, step, kind, judged by, blame (and a space between each)
+_CULPRIT_FIXED = 3 + 5 + 13 + 10 + 9
+
+
+def _culprit_table(comparison: Comparison, top: int, width: int) -> Table:
+    """One line a culprit, and its call site on the next, at any width from 80 columns: long module
+    paths lose their start ("…layers.1.mlp.gate_proj"), the part that tells calls apart."""
     table = Table(title=f"top culprits ({min(top, len(comparison.culprits))} of {len(comparison.culprits)})",
-                  title_justify="left")
-    # Numbers never wrap; on a narrow terminal the call (module, API, call site) does.
-    for column in ("#", "step", "rank", "direction", "judged by", "introduced", "in err", "out err"):
-        table.add_column(column, justify="left" if column in ("direction", "judged by") else "right", no_wrap=True)
-    table.add_column("call (module · API, call site)", overflow="fold")
+                  title_justify="left", box=None, pad_edge=False, padding=(0, 1, 0, 0),
+                  caption="blame: local error ratio (replay), else introduced error",
+                  caption_justify="left")
+    for column in ("#", "step", "kind", "judged by", "blame"):
+        table.add_column(column, justify="right" if column in ("#", "step", "blame") else "left", no_wrap=True)
+    call_width = max(20, width - _CULPRIT_FIXED)
+    table.add_column("call · call site", no_wrap=True, overflow="crop", max_width=call_width)
     for place, culprit in enumerate(comparison.culprits[:top], start=1):
-        call = Text.assemble((culprit.module or "(top level)", "bold"), " · ", culprit.api)
-        if culprit.evidence == "replay":
-            call.append(f"\nlocal error A {format_number(culprit.local_error_a)} · B {format_number(culprit.local_error_b)}"
-                        f" ({culprit.wrong_side} wrong, {format_number(culprit.local_ratio)}×)", style="magenta")
+        kind = culprit.kind if culprit.kind != "call" else f"call {_SHORT_DIRECTIONS[culprit.direction]}"
+        blame = culprit.local_ratio if culprit.evidence == "replay" else culprit.introduced_error
+        side = f" {culprit.wrong_side}" if culprit.wrong_side else ""
+        call = Text(fit_left(call_label(culprit.name), call_width), style="bold")
         if culprit.stack:
-            call.append("\nat " + innermost_frame(culprit.stack), style="cyan")
-        table.add_row(
-            str(place), str(culprit.step), str(culprit.rank), culprit.direction, culprit.evidence,
-            format_number(culprit.introduced_error), format_number(culprit.input_error),
-            format_number(culprit.output_error), call,
-        )
+            call.append("\n" + fit_left(relative_frame(innermost_frame(culprit.stack)), call_width), style="cyan")
+        table.add_row(str(place), str(culprit.step), kind, culprit.evidence + side, format_number(blame), call)
+    return table
+
+
+def _groups_table(comparison: Comparison) -> Table:
+    table = Table(title=f"culprit groups ({len(comparison.culprit_groups)})", title_justify="left", box=None,
+                  pad_edge=False, padding=(0, 1, 0, 0))
+    for column in ("kind", "API", "culprits", "of calls", "introducing", "median blame"):
+        table.add_column(column, justify="left" if column in ("kind", "API") else "right", no_wrap=True)
+    for group in comparison.culprit_groups:
+        table.add_row(group.kind, fit_left(group.api, 36), str(group.count), str(group.calls),
+                      f"{group.share_introducing:.0%}", format_number(group.median_ratio))
     return table
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Any
 
 
@@ -24,6 +25,25 @@ def format_value(value: Any) -> str:
 def innermost_frame(stack: list[str]) -> str:
     """The call site nearest the call: stacks are stored innermost last."""
     return stack[-1] if stack else ""
+
+
+def relative_frame(frame: str, folder: str | None = None) -> str:
+    """A frame ("path:line function") with its path relative to `folder` (the working folder)
+    when it lies inside it."""
+    prefix = os.path.join(os.path.abspath(folder or os.getcwd()), "")
+    return frame.removeprefix(prefix)
+
+
+def call_label(name: str) -> str:
+    """A record name (`module/API#k`, `parameter/Optimizer.step#0`, `key/Data#0`) as it reads:
+    `blocks.0.0 · Functional.linear#0`."""
+    where, _, call = name.rpartition("/")
+    return f"{where or '(top level)'} · {call}"
+
+
+def fit_left(text: str, width: int) -> str:
+    """`text` in `width` characters, its start cut to an ellipsis: module paths differ at their end."""
+    return text if len(text) <= width else "…" + text[len(text) - width + 1:]
 
 
 # Coverage keys in the order they read best; any other key the engine adds follows, by name.

@@ -14,7 +14,13 @@ from pi0align import __version__
 from pi0align.compare.result import Comparison
 from pi0align.errors import UserError
 from pi0align.report.charts import error_by_step_figure, training_curve_figure
-from pi0align.report.formatting import coverage_text, format_number, innermost_frame
+from pi0align.report.formatting import (
+    call_label,
+    coverage_text,
+    format_number,
+    innermost_frame,
+)
+from pi0align.report.module_tree import module_tree
 from pi0align.report.output import output_path
 from pi0align.report.rowdata import row_columns, rows_json
 from pi0align.report.summary import summary
@@ -30,7 +36,8 @@ _environment = jinja2.Environment(
     loader=jinja2.PackageLoader("pi0align.report", "templates"),
     autoescape=True, trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined,
 )
-_environment.filters.update(num=format_number, innermost=innermost_frame, coverage=coverage_text)
+_environment.filters.update(num=format_number, innermost=innermost_frame, coverage=coverage_text,
+                            call_label=call_label)
 
 
 def default_html_path(source_a: str | Path, source_b: str | Path, folder: str | Path = "reports") -> Path:
@@ -77,6 +84,7 @@ def write_html(comparison: Comparison, path: str | Path, *, top: int = 10) -> Pa
         version=__version__,
         summary=summary(comparison),
         top=top,
+        tree=module_tree(comparison),
         plotly_js=Markup(plotly_js()),
         style=Markup(_static("report.css")),
         script=Markup(_static("report.js")),

@@ -65,6 +65,7 @@ def summary(comparison: Comparison) -> dict[str, Any]:
         "first_divergence": optional_call_dict(comparison.first_divergence),
         "first_divergence_backward": optional_call_dict(comparison.first_divergence_backward),
         "culprits": [call_dict(culprit) for culprit in comparison.culprits],
+        "culprit_groups": [json_safe(dataclasses.asdict(group)) for group in comparison.culprit_groups],
         "thresholds": json_safe(comparison.thresholds),
         "manifest_diff": [{"key": key, "a": json_safe(a), "b": json_safe(b)} for key, a, b in comparison.manifest_diff],
         "notes": list(comparison.notes),

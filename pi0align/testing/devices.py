@@ -72,18 +72,22 @@ def _tf32(value):
 
 
 class Fault(TorchFunctionMode):
-    """The `index`-th call of `func` inside each forward of `module` returns its result × `factor`:
-    one faulty kernel. Made, it wraps the module's forward (to know when it runs) until `detach()`."""
+    """The `index`-th call of `func` inside each forward of `module` returns its result × `factor`
+    (`backward`: returns it exactly, and its gradient × `factor`): one faulty kernel, in the
+    module's first `forwards` forwards only when given (a fault at step 0 alone). Made, it wraps
+    the module's forward (to know when it runs) until `detach()`."""
 
-    def __init__(self, module: torch.nn.Module, func, index: int = 0, factor: float = 1.03) -> None:
+    def __init__(self, module: torch.nn.Module, func, index: int = 0, factor: float = 1.03,
+                 backward: bool = False, forwards: int | None = None) -> None:
         super().__init__()
-        self.func, self.index, self.factor = func, index, factor
-        self.module, self._depth, self._seen = module, 0, 0
+        self.func, self.index, self.factor, self.backward, self.forwards = func, index, factor, backward, forwards
+        self.module, self._depth, self._seen, self._forwards_seen = module, 0, 0, 0
         original = module.forward
 
         def forward(*args, **kwargs):
             if self._depth == 0:
                 self._seen = 0
+                self._forwards_seen += 1
             self._depth += 1
             try:
                 return original(*args, **kwargs)
@@ -102,9 +106,24 @@ class Fault(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
-        if self._depth and func is self.func:
+        if self._depth and func is self.func and (self.forwards is None or self._forwards_seen <= self.forwards):
             self._seen += 1
             if self._seen == self.index + 1 and isinstance(result, torch.Tensor):
+                if self.backward:
+                    return _GradientTimes.apply(result, self.factor)
                 with _quiet():
                     return result * self.factor
         return result
+
+
+class _GradientTimes(torch.autograd.Function):
+    """The identity forward; the gradient flowing back through it × factor."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None

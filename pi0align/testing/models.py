@@ -74,3 +74,33 @@ class Transformer(torch.nn.Module):
     def use_sdpa(self, sdpa: bool) -> None:
         for layer in self.layers:
             layer.attention.sdpa = sdpa
+
+
+class HandWrittenAdamW(torch.optim.Optimizer):
+    """AdamW as a user might write it: torch.optim.AdamW's update with its operations in another
+    order (bias corrections applied to the moments, the decay folded into the same expression)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(param), torch.zeros_like(param)
+                state["step"] += 1
+                step = state["step"].item()
+                grad = param.grad
+                state["exp_avg"].copy_(beta1 * state["exp_avg"] + (1 - beta1) * grad)
+                state["exp_avg_sq"].copy_(beta2 * state["exp_avg_sq"] + (1 - beta2) * grad * grad)
+                corrected_mean = state["exp_avg"] / (1 - beta1**step)
+                corrected_square = state["exp_avg_sq"] / (1 - beta2**step)
+                update = corrected_mean / (corrected_square.sqrt() + group["eps"])
+                param.copy_(param * (1 - group["lr"] * group["weight_decay"]) - group["lr"] * update)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from pi0align.testing.devices import Fault, Tf32Matmuls, UlpNoise
-from pi0align.testing.models import Mlp, Transformer
+from pi0align.testing.models import HandWrittenAdamW, Mlp, Transformer
 
 FUNCTIONS = {"linear": F.linear, "gelu": F.gelu, "layer_norm": F.layer_norm, "softmax": torch.softmax,
              "matmul": torch.matmul, "sdpa": F.scaled_dot_product_attention, "add": torch.Tensor.add,
@@ -22,12 +22,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 @dataclass(frozen=True)
 class Emulation:
     """How the emulated device differs from the CPU: results moved by up to `ulp_noise` ulps,
-    matmul inputs in TF32, one faulty call (module path, function name, index, factor)."""
+    matmul inputs in TF32, one faulty call (module path, function name, index, factor), its
+    gradient alone off (`fault_backward`), in the module's first `fault_forwards` forwards only."""
 
     ulp_noise: int = 0
     ulp_seed: int = 1
     tf32: bool = False
     fault: tuple[str, str, int, float] | None = None
+    fault_backward: bool = False
+    fault_forwards: int | None = None
 
     @contextlib.contextmanager
     def on(self, model: torch.nn.Module):
@@ -39,7 +42,8 @@ class Emulation:
         fault = None
         if self.fault is not None:
             path, function, index, factor = self.fault
-            fault = Fault(model.get_submodule(path), FUNCTIONS[function], index, factor)
+            fault = Fault(model.get_submodule(path), FUNCTIONS[function], index, factor,
+                          backward=self.fault_backward, forwards=self.fault_forwards)
             modes.append(fault)
         try:
             with contextlib.ExitStack() as stack:
@@ -61,23 +65,33 @@ class ToyRun:
     perturb_ulps: int = 0  # pi0align's own noise reference (Dumper(perturb_ulps=...))
     seed: int = 0
     lr: float = 1e-3
+    eps: float = 1e-8
+    optimizer: str = "adamw"  # "adamw" (torch.optim.AdamW) | "handwritten" (testing.models.HandWrittenAdamW)
+    level: str = "mix"
+    changed_sample_at: int | None = None  # the step whose batch has its first sample changed
 
 
 def dump_toy(path: str | Path, run: ToyRun) -> Path:
-    """Two AdamW steps of a toy model, both dumped at level mix; returns the dump folder."""
+    """Two AdamW steps of a toy model, both dumped; returns the dump folder."""
     from pi0align.dump import Dumper
 
     torch.manual_seed(run.seed)
+    # the model made in float32 and cast: a bf16 run holds the fp32 run's initial weights, rounded
     model = Mlp() if run.model == "mlp" else Transformer(sdpa=run.sdpa)
     model = model.to(DTYPES[run.dtype])
     shape = (16, 48) if run.model == "mlp" else (4, 12, 32)
-    data = torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(DTYPES[run.dtype])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr)
-    with run.device.on(model), Dumper(path, steps=[0, 1], level="mix", mode=run.mode,
+    data = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    changed = data.clone()
+    changed[0] = torch.randn(*shape[1:], generator=torch.Generator().manual_seed(2))
+    # made before the emulated device and the dumper: the batch as a loader hands it over
+    batches = [(changed if step == run.changed_sample_at else data).to(DTYPES[run.dtype]) for step in range(2)]
+    optimizers = {"adamw": torch.optim.AdamW, "handwritten": HandWrittenAdamW}
+    optimizer = optimizers[run.optimizer](model.parameters(), lr=run.lr, eps=run.eps)
+    with run.device.on(model), Dumper(path, steps=[0, 1], level=run.level, mode=run.mode,
                                       perturb_ulps=run.perturb_ulps, perturb_seed=run.seed + 7) as dumper:
-        dumper.start(model)
-        for step in range(2):
-            loss = model(data).float().square().mean()
+        dumper.start(model, optimizer=optimizer)
+        for step, batch in enumerate(batches):
+            loss = model(batch).float().square().mean()
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -120,7 +134,7 @@ def dump_pi0(path: str | Path, run: Pi0Run) -> Path:
                                        perturb_seed=run.seed + 7, manifest=components["manifest"]) as dumper:
         for step in range(config.steps):
             batch = components["preprocessor"](next(batches))
-            dumper.start(policy, step=step)
+            dumper.start(policy, step=step, optimizer=optimizer)
             loss, grad_norm = train_step(policy, batch, optimizer, scheduler, clip)
             dumper.record_metrics(step, loss, grad_norm)
             dumper.stop()
@@ -131,15 +145,20 @@ def dump_pi0(path: str | Path, run: Pi0Run) -> Path:
 @dataclass(frozen=True)
 class Case:
     """One scenario of the verdict's scoreboard: run A, run B (and a noise reference), and what a
-    right answer is: the verdict and, when diverged, the top culprit's name (a prefix of it)."""
+    right answer is: the verdict and, when diverged, the first divergence (the start of its name,
+    its kind, direction and step: None is any) and the top culprit group's API."""
 
     name: str
     a: ToyRun | Pi0Run
     b: ToyRun | Pi0Run
     verdict: str
-    top: str | None = None  # expected top culprit: the start of its name
+    top: str | None = None  # expected first divergence: the start of its name
     reference: ToyRun | Pi0Run | None = None
     replay: bool = True
+    kind: str = "call"
+    direction: str | None = "forward"
+    step: int | None = None
+    group: str | None = None  # expected API of the top culprit group
 
 
 def _toy(model: str, dtype: str, mode: str, **b) -> tuple[ToyRun, ToyRun]:
@@ -176,6 +195,52 @@ def toy_cases() -> list[Case]:
     b = ToyRun(model="transformer", sdpa=True, lr=1e-2, device=Emulation(fault=("layers.0.mlp", "gelu", 0, 1.03)))
     cases.append(Case("transformer fp32 tensor: SDPA vs manual + gelu 3% off", a, b, "diverged",
                       "layers.0.mlp.1/Functional.gelu#0"))
+    return cases + kind_cases()
+
+
+def kind_cases() -> list[Case]:
+    """Culprits that are not one kernel: a whole family, a backward kernel, the optimizer, the data,
+    the weights; and what must not be blamed (weights a later step inherits, another dtype)."""
+    cases = []
+    matmul_sites = {"mlp": ("blocks.1.2", "gelu", "blocks.1.2/Functional.gelu#0", "blocks.1.2/Module.GELU#0"),
+                    "transformer": ("layers.1.attention", "softmax", "layers.1.attention/Torch.softmax#0",
+                                    "layers.1.attention/Module.Attention#0")}
+    for model, (path, function, culprit, module_culprit) in matmul_sites.items():
+        for mode in ("tensor", "stats"):
+            a, b = _toy(model, "fp32", mode, device=Emulation(tf32=True, ulp_noise=1))
+            cases.append(Case(f"{model} fp32 {mode}: ulp noise + TF32 matmuls, the family", a, b, "diverged", None,
+                              direction=None, group="matmul family"))
+            for change in ({"eps": 1e-6}, {"changed_sample_at": 1}):
+                a, b = _toy(model, "bf16", mode, device=NOISY, **change)
+                expected = ({"kind": "optimizer", "direction": "optimizer", "step": 0, "group": "Optimizer.step"}
+                            if "eps" in change else {"top": "input/Data#0", "kind": "data", "direction": "data",
+                                                     "step": 1})
+                cases.append(Case(f"{model} bf16 {mode}: ulp noise + {'AdamW eps 1e-6' if 'eps' in change else 'one sample changed at step 1'}",
+                                  a, b, "diverged", reference=_noise(a) if mode == "stats" else None, **expected))
+            backward = Emulation(fault=(path, function, 0, 1.001), fault_backward=True)
+            a, b = _toy(model, "fp32", mode, device=backward)
+            cases.append(Case(f"{model} fp32 {mode}: {function}'s gradient 1e-3 off", a, b, "diverged", culprit,
+                              direction="backward", step=0))
+            a, b = _toy(model, "fp32", mode, eps=1e-6)
+            cases.append(Case(f"{model} fp32 {mode}: AdamW eps 1e-6 against 1e-8", a, b, "diverged", None,
+                              kind="optimizer", direction="optimizer", step=0, group="Optimizer.step"))
+            a, b = _toy(model, "fp32", mode, optimizer="handwritten")
+            cases.append(Case(f"{model} fp32 {mode}: hand-written AdamW", a, b, "aligned"))
+            a, b = _toy(model, "fp32", mode, changed_sample_at=1)
+            cases.append(Case(f"{model} fp32 {mode}: one sample changed at step 1", a, b, "diverged", "input/Data#0",
+                              kind="data", direction="data", step=1))
+            a, b = _toy(model, "fp32", mode, seed=1)
+            cases.append(Case(f"{model} fp32 {mode}: another seed", a, b, "diverged", None, kind="initial_weights",
+                              direction="parameter", step=0))
+            a, b = ToyRun(model=model, mode=mode), ToyRun(model=model, dtype="bf16", mode=mode)
+            if mode == "tensor":  # replay: bf16 within its own rounding is no culprit
+                cases.append(Case(f"{model} fp32 against bf16 {mode}", a, b, "aligned"))
+            for level, top in (("mix", culprit), ("module", module_culprit)):
+                once = Emulation(fault=(path, function, 0, 1.03), fault_forwards=1)
+                a, b = (ToyRun(model=model, mode=mode, level=level),
+                        ToyRun(model=model, mode=mode, level=level, device=once))
+                cases.append(Case(f"{model} fp32 {mode} {level}: {function} 3% off at step 0 only", a, b, "diverged",
+                                  top, step=0))
     return cases
 
 
@@ -195,7 +260,8 @@ def pi0_cases(steps: int = 2) -> list[Case]:
 def play(case: Case, work: Path, made: dict) -> tuple[object, bool]:
     """Dump the case's runs (each once: `made` maps a run to its dump folder) and compare them as a
     user would; returns the Comparison and whether its answer is right: the expected verdict, no
-    culprit where aligned, and the expected top culprit (its name's start) in forward where diverged."""
+    culprit where aligned; where diverged, the expected first divergence (name, kind, direction,
+    step), no culprit at a later step than a fault at step 0 alone, and the top culprit group."""
     from pi0align.compare import compare_dumps
 
     def dumped(run) -> Path:
@@ -207,12 +273,19 @@ def play(case: Case, work: Path, made: dict) -> tuple[object, bool]:
     a, b = dumped(case.a), dumped(case.b)
     reference = dumped(case.reference) if case.reference is not None else None
     result = compare_dumps(a, b, noise=reference, replay=case.replay)
-    top = result.culprits[0] if result.culprits else None
+    first = result.first_divergence
     right = result.verdict == case.verdict
     if case.verdict == "aligned":
-        right &= not result.culprits
-    if case.top is not None:
-        right &= top is not None and top.name.startswith(case.top) and top.direction == "forward"
+        return result, right and not result.culprits
+    right &= first is not None and first.kind == case.kind
+    if first is not None:
+        right &= case.top is None or first.name.startswith(case.top)
+        right &= case.direction is None or first.direction == case.direction
+        right &= case.step is None or first.step == case.step
+    if case.group is not None:
+        right &= bool(result.culprit_groups) and result.culprit_groups[0].api == case.group
+    if isinstance(case.b, ToyRun) and case.b.device.fault_forwards == 1:  # weights inherited are no one's fault
+        right &= all(c.step == 0 for c in result.culprits)
     return result, right
 
 

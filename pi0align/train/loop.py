@@ -58,7 +58,7 @@ def train(config: TrainConfig, dumper=None, resume_from: Path | None = None) -> 
             raw_batch = next(batches)
             data_time = time.perf_counter() - step_started
             if dumper is not None:  # around the step only: reading the dataset is not the model's work
-                dumper.start(policy, step=step, manifest=manifest)
+                dumper.start(policy, step=step, manifest=manifest, optimizer=optimizer)
             lr = optimizer.param_groups[0]["lr"]
             loss, grad_norm = train_step(policy, components["preprocessor"](raw_batch), optimizer, scheduler,
                                          grad_clip_norm)

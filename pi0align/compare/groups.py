@@ -1,0 +1,84 @@
+"""Culprits grouped by kind and API (the matmul family as one): a pattern across calls is one finding.
+
+Each group counts its culprits and its API's calls, the share of those calls that introduce error
+(more error out than in, outputs failing), the median blame of its culprits, and a hint where the
+pattern is a known one (docs/compare.md, "Culprit groups").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pi0align.compare.judge import Judgement
+from pi0align.compare.result import CulpritGroup
+from pi0align.compare.table import Table
+from pi0align.compare.thresholds import UNIT_ROUNDOFF
+
+# APIs whose kernels multiply matrices: TF32 / HF32 switches change all of them at once
+MATMUL_FAMILY = frozenset({"linear", "matmul", "__matmul__", "__rmatmul__", "bmm", "mm", "addmm", "addbmm", "baddbmm",
+                           "einsum", "mv", "tensordot", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+                           "conv_transpose2d", "conv_transpose3d", "scaled_dot_product_attention"})
+SYSTEMATIC_SHARE = 0.5  # most of an API's calls introduce error: its kernel, not one call
+TF32_ERRORS = (1e-5, 1e-2)  # TF32 keeps 10 mantissa bits: a matmul's error ~1e-4 .. 1e-3
+
+
+def family(api: str) -> str:
+    """The group an API's culprits join: "matmul family" for the matmul-like kernels, else the API."""
+    return "matmul family" if api.rsplit(".", 1)[-1] in MATMUL_FAMILY else api
+
+
+def culprit_groups(calls: Table, judgement: Judgement,
+                   hyper_parameters: list[tuple[str, object, object]]) -> list[CulpritGroup]:
+    """The groups, most culprits first. hyper_parameters: the optimizer settings that differ."""
+    if not judgement:
+        return []
+    families = np.array([family(api) for api in calls["api"].astype(str).tolist()], dtype=object)
+    introduces = calls["outputs_fail"] & (calls["introduced_error"] > 1)
+    groups = []
+    for kind, api in sorted({(k, f) for k, f in zip(calls["kind"][judgement.culprit].tolist(),
+                                                    families[judgement.culprit].tolist())}):
+        members = (calls["kind"] == kind) & (families == api)
+        guilty = members & judgement.culprit
+        share = float(introduces[members].mean())
+        unit = float(np.max(np.maximum(calls["unit_a"][guilty], calls["unit_b"][guilty])))
+        typical_error = float(np.median(calls["output_error"][guilty]))
+        names = calls["name"][guilty].tolist()
+        groups.append(CulpritGroup(
+            kind=kind, api=api, count=int(guilty.sum()), calls=int(members.sum()), share_introducing=share,
+            median_ratio=float(np.median(judgement.blame[guilty])), median_output_error=typical_error,
+            hint=hint(kind, api, share, int(members.sum()), unit, typical_error, hyper_parameters, names),
+            examples=list(dict.fromkeys(names))[:3]))
+    return sorted(groups, key=lambda g: -g.count)
+
+
+def hint(kind: str, api: str, share: float, calls: int, unit: float, typical_error: float,
+         hyper_parameters: list[tuple[str, object, object]], names: list[str]) -> str:
+    """What a known pattern usually means ("" when the group is not one); `names`: its culprits'."""
+    systematic = share >= SYSTEMATIC_SHARE and calls >= 2
+    if kind == "call":
+        if api == "matmul family" and systematic and unit == UNIT_ROUNDOFF["float32"] \
+                and TF32_ERRORS[0] <= typical_error <= TF32_ERRORS[1]:
+            return ("every matmul-family call is off by ~1e-3 in fp32: TF32 or HF32 is on for one side "
+                    "(torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, "
+                    "torch.npu.matmul.allow_hf32; the manifests' numerics)")
+        if systematic:
+            return (f"most calls of {api} introduce error: its kernel differs on one side (implementation, "
+                    "precision mode), not one call site")
+        return ""
+    if kind == "optimizer":
+        if hyper_parameters:
+            listed = ", ".join(f"{key} {a!r} in A, {b!r} in B" for key, a, b in hyper_parameters)
+            return f"the optimizer's hyper-parameters differ: {listed}"
+        if systematic:
+            return ("every parameter's update differs while its gradients agree: the optimizer's hyper-parameters "
+                    "or its implementation (fused or foreach AdamW, the order of its operations)")
+        return "these parameters' updates differ while their gradients agree"
+    keys = ", ".join(dict.fromkeys(name.rsplit("/", 1)[0] for name in names))
+    return {
+        "data": f"the batch differs ({keys}) while the parameters agree: data order (sampler seed, shuffling), "
+                "preprocessing, or the dataset itself (the manifests' dataset_fingerprint)",
+        "initial_weights": "the runs start from other weights: another seed, checkpoint or initialisation "
+                           "(the manifests' seed and weights_sha256)",
+        "parameters": "parameters differ where nothing dumped changed them: steps that were not dumped, a "
+                      "checkpoint loaded, weights written in place outside the optimizer",
+    }.get(kind, "")
