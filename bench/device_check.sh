@@ -43,18 +43,20 @@ for dtype in fp32 bf16; do
 done
 "$py" - "$work" <<'PY'
 import json, sys
-from collections import Counter
 from pathlib import Path
 work = Path(sys.argv[1])
 for dtype in ("fp32", "bf16"):
     summary = json.loads((work / f"{dtype}.json").read_text())
     speeds = {d: json.loads((work / f"{dtype}-{d}" / "summary.json").read_text())["images_per_sec"] for d in ("cpu", "cuda")}
-    groups = Counter((c["api"], c["direction"], c["evidence"]) for c in summary["culprits"])
+    first = summary["first_divergence"]
     print(f"{dtype}: {summary['verdict']} (noise model {summary['noise_model']}, "
           f"{summary['rows_over_dtype_limits']} rows beyond the dtype limits), {len(summary['culprits'])} culprits; "
           f"images/sec cpu {speeds['cpu']:.1f}, cuda {speeds['cuda']:.1f}")
-    for (api, direction, evidence), count in groups.most_common(8):
-        print(f"    {count:4d} × {api} ({direction}, {evidence})")
+    if first:
+        print(f"    first divergence: {first['kind']} {first['name']} ({first['direction']}, step {first['step']})")
+    for group in summary["culprit_groups"][:8]:
+        print(f"    {group['count']:4d} × {group['kind']} {group['api']} "
+              f"({group['share_introducing']:.0%} of {group['calls']} calls introduce error) {group['hint']}")
     for note in summary["notes"]:
         print(f"    note: {note}")
 PY

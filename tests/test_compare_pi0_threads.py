@@ -60,6 +60,6 @@ def test_run_records_the_batch_and_the_optimizer_update_of_every_parameter(threa
     updated = set(records["name"][records["direction"] == "optimizer"].tolist())
     trained = {name.replace("/Parameter#0", "/Optimizer.step#0")
                for name, role in zip(records["name"].tolist(), records["role"].tolist()) if role == "parameter_grad"}
-    assert updated == trained and len(updated) > 100
+    assert updated == trained and len(updated) > 10  # tiny PI0: 66 trained tensors
     result = compare_dumps(thread_runs[2], thread_runs[1])
     assert not [c for c in result.culprits if c.kind != "call"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from pi0align.compare.judge import Judgement
+from pi0align.compare.records import subjects
 from pi0align.compare.result import CulpritGroup
 from pi0align.compare.table import Table
 from pi0align.compare.thresholds import UNIT_ROUNDOFF
@@ -73,7 +74,7 @@ def hint(kind: str, api: str, share: float, calls: int, unit: float, typical_err
             return ("every parameter's update differs while its gradients agree: the optimizer's hyper-parameters "
                     "or its implementation (fused or foreach AdamW, the order of its operations)")
         return "these parameters' updates differ while their gradients agree"
-    keys = ", ".join(dict.fromkeys(name.rsplit("/", 1)[0] for name in names))
+    keys = ", ".join(dict.fromkeys(subjects(np.array(names, dtype=object)).tolist()))
     return {
         "data": f"the batch differs ({keys}) while the parameters agree: data order (sampler seed, shuffling), "
                 "preprocessing, or the dataset itself (the manifests' dataset_fingerprint)",

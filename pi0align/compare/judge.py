@@ -112,10 +112,11 @@ def judge(calls: Table, fallback: str, exact: bool = False) -> Judgement:
     # however small (TF32 rounding that the statistics hardly see, two elements swapped), and a
     # kernel handed differing inputs only passes on what it was handed
     changed = calls["inputs_identical"] & calls["outputs_differ"] & ~with_calls_inside
-    kind = calls["kind"]
-    kernels = changed if exact else introduces_error(calls) & stands_out(calls)
-    rule = np.where(kind == "call", kernels, np.where(kind == "data", calls["outputs_fail"], introduces_error(calls)
-                    & np.where(kind == "optimizer", calls["inputs_identical"] | updates_off(calls), True)))
+    kind, introduces = calls["kind"], introduces_error(calls)
+    kernels = changed if exact else introduces & stands_out(calls)
+    updates = introduces & (calls["inputs_identical"] | updates_off(calls))
+    rule = np.select([kind == "call", kind == "optimizer", kind == "data"], [kernels, updates, calls["outputs_fail"]],
+                     introduces)  # the parameters
     # told other arguments (a scale, an epsilon): computes something else, however right its kernel;
     # an optimizer told other hyper-parameters is a setup that differs, whatever its outputs show
     other_arguments = calls["args_differ"] & (calls["outputs_fail"] | (kind == "optimizer")) & ~module

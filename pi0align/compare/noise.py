@@ -16,16 +16,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from pi0align.compare.records import subjects
 from pi0align.compare.table import Groups, Table, gather, isin, lookup
 from pi0align.compare.thresholds import looser_classes
 
 _GRADIENT_ROLES = ("grad_input", "grad_output")
-
-
-def parameter_names(names: np.ndarray) -> np.ndarray:
-    """The parameter a record is about, for parameter and optimizer records (`<parameter>/Parameter#0`,
-    `<parameter>/Optimizer.step#0`): the name without its API part."""
-    return np.array([str(n).rsplit("/", 1)[0] for n in names.tolist()], dtype=object)
 
 
 def noise_driven(rows: Table, thresholds: dict) -> tuple[np.ndarray, list[str]]:
@@ -50,7 +45,7 @@ def noise_driven(rows: Table, thresholds: dict) -> tuple[np.ndarray, list[str]]:
     # parameters updated from a rounding-level gradient at this or an earlier step (their optimizer
     # updates from then on, and the parameters after them), and their uses
     noisy = rounding & parameter_grad
-    parameter = parameter_names(rows["name"])
+    parameter = subjects(rows["name"])
     noisy_parameters = Groups(rank[noisy], parameter[noisy])
     first_noisy_step = noisy_parameters.min(step[noisy].astype(np.float64))
     keys = [rank[noisy][noisy_parameters.first], parameter[noisy][noisy_parameters.first]]

@@ -56,6 +56,13 @@ class Dump:
     close: Callable[[], None] = lambda: None
 
 
+def subjects(names: np.ndarray) -> np.ndarray:
+    """What each record name is about, without its API part (`<module>/<API>#k` -> the module path;
+    `<parameter>/Parameter#0` and `<parameter>/Optimizer.step#0` -> the parameter; `<key>/Data#k`
+    -> the batch's key)."""
+    return np.array([str(n).rpartition("/")[0] for n in names.tolist()], dtype=object)
+
+
 def no_records() -> Table:
     """A records table without rows, its columns of the types readers give them."""
     kind = lambda c: object if c in _TEXT_COLUMNS else np.float64 if c in _FLOAT_COLUMNS else np.int64

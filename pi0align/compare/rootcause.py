@@ -6,7 +6,7 @@ when its inputs agree (pass) and its outputs do not (fail), or when it amplifies
 Calls are searched in execution order: a step's parameters, its data, its forward calls, its
 backward calls (in the order autograd ran them), its optimizer update.
 
-Not every call is an API's: each has a kind (KINDS). A parameter's record at a step is a call whose
+Not every call is an API's: each has a kind (`kinds`). A parameter's record at a step is a call whose
 input is the optimizer's update of it at the step before (none at the first dumped step: its
 weights were given); the data are calls without inputs; a module's parameters are inputs of its
 calls, so a module is never blamed for the weights it was handed.
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from pi0align.compare.judge import Judgement, innermost
-from pi0align.compare.records import INPUT_ROLES, OUTPUT_ROLES
+from pi0align.compare.records import INPUT_ROLES, OUTPUT_ROLES, subjects
 from pi0align.compare.result import CallRef, Culprit
 from pi0align.compare.table import Groups, Table, isin, lookup
 from pi0align.compare.thresholds import UNIT_ROUNDOFF, dtype_class, looser_classes
@@ -28,7 +28,6 @@ STATS_ERRORS = ["norm_rel_err", "mean_val_rel_err", "min_rel_err", "max_val_rel_
 MAX_CULPRITS = 100
 # kind of culprit by the direction of its records ("parameter": initial_weights or parameters)
 KIND_OF_DIRECTION = {"forward": "call", "backward": "call", "optimizer": "optimizer", "data": "data"}
-KINDS = ("call", "optimizer", "data", "initial_weights", "parameters")
 PHASES = ("parameter", "data", "forward", "backward", "optimizer")  # a step's parts in execution order
 CALL_COLUMNS = ["rank", "step", "direction", "kind", "seq_a", "name", "module", "api", "input_error", "output_error",
                 "inputs_pass", "outputs_fail", "introduced_error", "metric",
@@ -81,11 +80,12 @@ def call_errors(rows: Table) -> Table:
         "inputs_identical": ~groups.any(is_in & ~judged["identical"].astype(bool)),
         "outputs_differ": groups.any(is_out & ~judged["identical"].astype(bool)),
     })
+    first_step = int(rows["step"].min()) if len(rows) else 0
     _add_module_parameters(calls, judged, error)
-    _add_parameter_sources(calls, int(rows["step"].min()) if len(rows) else 0)
+    _add_parameter_sources(calls, first_step)
     _add_saved_tensors(calls)
     calls = calls.take(np.isfinite(calls["output_error"]))  # calls with no judged output introduce nothing
-    calls["kind"] = kinds(calls, int(rows["step"].min()) if len(rows) else 0)
+    calls["kind"] = kinds(calls, first_step)
     calls["inputs_pass"] = ~calls["inputs_fail"]
     denominator = np.maximum(calls["input_error"], np.where(calls["floor"] > 0, calls["floor"], np.finfo(float).tiny))
     with np.errstate(over="ignore"):
@@ -142,11 +142,11 @@ def _add_parameter_sources(calls: Table, first_step: int) -> None:
     if not len(param):
         return
     update = np.flatnonzero(calls["direction"] == "optimizer")
-    made_by = {(int(calls["rank"][i]), int(calls["step"][i]), str(calls["name"][i]).rsplit("/", 1)[0]): i
-               for i in update.tolist()}
+    parameter = subjects(calls["name"])
+    made_by = {(int(calls["rank"][i]), int(calls["step"][i]), parameter[i]): i for i in update.tolist()}
     for i in param.tolist():
         step = int(calls["step"][i])
-        source = made_by.get((int(calls["rank"][i]), step - 1, str(calls["name"][i]).rsplit("/", 1)[0]))
+        source = made_by.get((int(calls["rank"][i]), step - 1, parameter[i]))
         if source is not None:
             calls["input_error"][i] = calls["output_error"][source]
             calls["inputs_fail"][i] = calls["outputs_fail"][source]

@@ -20,8 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from pi0align.compare.metrics import STATS_METRICS, TENSOR_METRICS, tensor_metrics
-from pi0align.compare.noise import parameter_names
-from pi0align.compare.records import Dump
+from pi0align.compare.records import Dump, subjects
 from pi0align.compare.table import Table
 from pi0align.compare.thresholds import looser
 
@@ -33,7 +32,7 @@ def measure_without_rounding(rows: Table, paths_a: np.ndarray, paths_b: np.ndarr
     role, rank, step, name = rows["role"], rows["rank"], rows["step"], rows["name"]
     stored = (rows["evidence"] == "tensor") & (paths_a != "") & (paths_b != "")
     parameters = np.flatnonzero(stored & (role == "parameter"))
-    parameter = parameter_names(name)
+    parameter = subjects(name)
     updates = np.flatnonzero(stored & (rows["direction"] == "optimizer"))
     measured = 0
     for i in np.flatnonzero(stored & (role == "parameter_grad")).tolist():
