@@ -18,19 +18,21 @@ from pi0align.dump.kernel import KERNEL, Kernel
 torch.set_num_threads(1)
 
 
-@pytest.fixture(params=["extension", "python"])
-def recording(request, tmp_path, monkeypatch) -> str:
-    """The recorder the dumper uses: the C++ extension where it is built, or the Python path
-    (what runs without a compiler)."""
-    if request.param == "extension":
-        if KERNEL.load() != "fused" or KERNEL.observer is None:
-            pytest.skip(f"the extension is not built here ({KERNEL.observer_status})")
-        return "extension"
-    without_compiler(tmp_path, monkeypatch)
-    kernel = Kernel()
-    for module in ("stats", "dumper", "capture"):
-        monkeypatch.setattr(f"pi0align.dump.{module}.KERNEL", kernel)
-    return "python"
+@pytest.fixture(scope="module", params=["extension", "python"])
+def dumped(request, tmp_path_factory):
+    """Two AdamW steps dumped by the dumper's recorder: the C++ extension where it is built, or the
+    Python path (what runs without a compiler); the dump file and what its last step must hold."""
+    tmp_path = tmp_path_factory.mktemp(request.param)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        if request.param == "extension":
+            if KERNEL.load() != "fused" or KERNEL.observer is None:
+                pytest.skip(f"the extension is not built here ({KERNEL.observer_status})")
+        else:
+            without_compiler(tmp_path, monkeypatch)
+            kernel = Kernel()
+            for module in ("stats", "dumper", "capture"):
+                monkeypatch.setattr(f"pi0align.dump.{module}.KERNEL", kernel)
+        yield _train(tmp_path / "dump", steps=2)
 
 
 class Policy(torch.nn.Module):
@@ -86,8 +88,8 @@ def _records_of(tables: dict, name: str) -> dict[tuple[str, int], int]:
             if records["call_id"][i] == call}
 
 
-def test_each_update_is_one_call_with_the_tensors_it_read_and_wrote(recording, tmp_path):
-    path, seen = _train(tmp_path / "dump", steps=2)
+def test_each_update_is_one_call_with_the_tensors_it_read_and_wrote(dumped):
+    path, seen = dumped
     tables = read_step(path, 1)
     calls, records = tables["calls"], tables["records"]
     updates = [n for n, d in zip(calls["name"], calls["direction"]) if d == "optimizer"]
@@ -117,16 +119,14 @@ def test_each_update_is_one_call_with_the_tensors_it_read_and_wrote(recording, t
     assert records["norm"][update_row] < records["norm"][grad_row]
 
 
-def test_the_first_update_has_no_states_in_and_its_states_out(recording, tmp_path):
-    path, seen = _train(tmp_path / "dump", steps=1)
-    tables = read_step(path, 0)
+def test_the_first_update_has_no_states_in_and_its_states_out(dumped):
+    tables = read_step(dumped[0], 0)
     rows = _records_of(tables, "encoder.bias/Optimizer.step#0")
     assert sorted(rows) == [("input", 0), ("input", 1), ("output", 0), ("output", 2), ("output", 3), ("output", 4)]
 
 
-def test_the_batch_is_data_keyed_by_its_paths_after_the_parameters(recording, tmp_path):
-    path, _ = _train(tmp_path / "dump", steps=1)
-    tables = read_step(path, 0)
+def test_the_batch_is_data_keyed_by_its_paths_after_the_parameters(dumped):
+    tables = read_step(dumped[0], 0)
     calls, records = tables["calls"], tables["records"]
     directions = calls["direction"]
     assert directions[:4] == ["parameter"] * 4 and directions[4:7] == ["data"] * 3
