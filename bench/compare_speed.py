@@ -59,7 +59,7 @@ def timed(command: list[str], timeout: int = TIMEOUT) -> tuple[float, str]:
     elapsed = time.perf_counter() - start
     if done.returncode in (0, 1) and "Traceback" not in done.stderr:
         return elapsed, done.stdout.strip()
-    errors = [l for l in (done.stdout + done.stderr).splitlines() if "[ERROR]" in l or "Error" in l]
+    errors = [line for line in (done.stdout + done.stderr).splitlines() if "[ERROR]" in line or "Error" in line]
     return elapsed, f"failed (exit {done.returncode}): {(errors or ['?'])[-1].strip()[-120:]}"
 
 

@@ -34,7 +34,8 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": 
 # variant -> (mode, level); idle: started, but the step is not one to dump
 OURS = {"idle": None, "stats": ("stats", "mix"), "stats, until written": ("stats", "mix"),
         "stats (api level)": ("stats", "api"), "sample": ("sample", "mix"), "sample, until written": ("sample", "mix"),
-        "tensor": ("tensor", "mix"), "tensor, uncompressed": ("tensor", "mix"), "tensor, until on disk": ("tensor", "mix")}
+        "tensor": ("tensor", "mix"), "tensor, uncompressed": ("tensor", "mix"),
+        "tensor, until on disk": ("tensor", "mix")}
 MSPROBE = {"msprobe L1 statistics": ("statistics", "L1"), "msprobe mix statistics": ("statistics", "mix"),
            "msprobe L1 tensor": ("tensor", "L1")}
 
@@ -58,7 +59,8 @@ def build(preset: str, batch_size: int, work: Path):
     loader = make_loader(parts["dataset"], batch_size=batch_size, seed=config.seed, start_step=0, steps=1,
                          num_workers=0, pin_memory=False)
     batch = parts["preprocessor"](next(iter(loader)))
-    return parts["policy"], parts["optimizer"], parts["scheduler"], batch, parts["policy"].config.optimizer_grad_clip_norm
+    policy = parts["policy"]
+    return policy, parts["optimizer"], parts["scheduler"], batch, policy.config.optimizer_grad_clip_norm
 
 
 def alternate(step_plain, variants: dict, rounds: int, settle: dict | None = None) -> dict[str, list[float]]:
@@ -190,8 +192,9 @@ def main() -> int:
         why_not = "skipped (--skip-msprobe)" if args.skip_msprobe else msprobe_available()
         if why_not is None:
             for name in MSPROBE:
-                result = subprocess.run([sys.executable, __file__, "--preset", args.preset, "--rounds", str(args.rounds),
-                                         "--batch-size", str(args.batch_size), "--msprobe-variant", name],
+                result = subprocess.run([sys.executable, __file__, "--preset", args.preset,
+                                         "--rounds", str(args.rounds), "--batch-size", str(args.batch_size),
+                                         "--msprobe-variant", name],
                                         capture_output=True, text=True)
                 if result.returncode == 0:
                     rows += [tuple(r) for r in json.loads(result.stdout.strip().splitlines()[-1])]

@@ -98,13 +98,15 @@ def main() -> int:
             config = TrainConfig(preset=args.preset, steps=args.steps, batch_size=args.batch_size, threads=args.threads,
                                  out=Path(scratch) / f"run{round_index}", progress=True, log_every=0)
             # Alternate which side goes first, so neither always runs on a warmer (or more fragmented) heap.
-            sides = [("run", lambda: run_step_time(config, warmup)), ("bare", lambda: bare_step_time(config, warmup))]
+            sides = [("run", lambda config=config: run_step_time(config, warmup)),
+                     ("bare", lambda config=config: bare_step_time(config, warmup))]
             for side, measure in sides if round_index % 2 == 0 else sides[::-1]:
                 (ours if side == "run" else bare).append(measure())
             print(f"round {round_index}: run {ours[-1] * 1000:.1f} ms/step, bare loop {bare[-1] * 1000:.1f} ms/step",
                   flush=True)
     ratio = statistics.median(ours) / statistics.median(bare)
-    print(f"preset {args.preset}, batch {args.batch_size}, {args.threads} thread(s), {args.steps} steps x {args.rounds} rounds")
+    print(f"preset {args.preset}, batch {args.batch_size}, {args.threads} thread(s), "
+          f"{args.steps} steps x {args.rounds} rounds")
     print(f"pi0align run / bare loop: {ratio:.3f}x (goal <= 1.02x)")
     return 0
 

@@ -21,7 +21,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from pi0align.pi0.cache import cache_root
+from pi0align.cache import cache_root
 
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
 

@@ -46,7 +46,7 @@ def numerics() -> dict[str, object]:
 
 def _flag(npu, kind: str) -> bool | None:
     try:
-        return bool(getattr(getattr(npu, kind), "allow_hf32"))
+        return bool(getattr(npu, kind).allow_hf32)
     except AttributeError:
         return None
 

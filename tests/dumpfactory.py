@@ -290,7 +290,8 @@ def _write_step(group: h5py.Group, s: Step, mode: str, sample_size: int, stack_i
 MSPROBE_SCRIPT = '''
 import json, sys, torch
 from msprobe.pytorch import PrecisionDebugger
-out, task, scale, steps, width, depth = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+out, task, scale = sys.argv[1], sys.argv[2], float(sys.argv[3])
+steps, width, depth = (int(value) for value in sys.argv[4:7])
 options = {"scope": [], "list": [], "data_mode": ["all"]}
 if task == "statistics":
     options["summary_mode"] = "statistics"

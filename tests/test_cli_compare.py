@@ -134,7 +134,8 @@ def test_missing_plotly_is_said_in_one_line_before_comparing(dumps, tmp_path):
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 2
-    assert run.stderr.strip() == "pi0align compare: error: the HTML report needs plotly: pip install plotly, or pass --no-html"
+    assert run.stderr.strip() == ("pi0align compare: error: the HTML report needs plotly: pip install plotly, "
+                                  "or pass --no-html")
     assert run.stdout == ""  # said before comparing
 
 

@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 import pytest
-
 from dumpfactory import Fault, default_manifest, run_toy_model, write_dump
+
 from pi0align.compare import ROW_COLUMNS, compare_dumps, load_thresholds
 from pi0align.errors import UserError
 

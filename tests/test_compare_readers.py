@@ -7,8 +7,8 @@ import json
 
 import h5py
 import pytest
-
 from dumpfactory import run_toy_model, write_dump, write_msprobe_dump
+
 from pi0align.compare import compare_dumps
 from pi0align.compare.open_dump import open_run
 from pi0align.errors import UserError
@@ -114,7 +114,8 @@ def test_real_msprobe_dumps_compare_and_find_the_fault(tmp_path):
     assert same.verdict == "aligned" and same.coverage["only_a"] == 0 and same.coverage["matched"] > 20
     result = compare_dumps(a, b)
     assert result.verdict == "diverged"
-    assert result.first_divergence.api == "Tensor.__mul__" and result.culprits[0].api in ("Tensor.__mul__", "Module.Scale")
+    assert result.first_divergence.api == "Tensor.__mul__"
+    assert result.culprits[0].api in ("Tensor.__mul__", "Module.Scale")
 
 
 @msprobe
@@ -122,7 +123,6 @@ def test_msprobe_tensor_dump_against_our_dump_of_the_same_values(tmp_path):
     """Either side may be msprobe's: a pi0align dump built from the msprobe dump's own tensors,
     once faithfully and once with one call's output scaled, compares against the msprobe folder."""
     import numpy as np
-
     from dumpfactory import Call, Step
 
     ms = write_msprobe_dump(tmp_path / "ms", task="tensor")
@@ -130,7 +130,7 @@ def test_msprobe_tensor_dump_against_our_dump_of_the_same_values(tmp_path):
     steps = []
     for faulty in (False, True):
         calls = []
-        for (call, name), group in dump.records.to_pandas().groupby(["call", "name"], sort=True):
+        for (_, name), group in dump.records.to_pandas().groupby(["call", "name"], sort=True):
             records = []
             for row in group.itertuples():
                 value = np.asarray(dump.tensor_reader(row.step, row.tensor), np.float32)

@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 import pytest
-
 from dumpfactory import Fault, run_toy_model, write_dump
+
 from pi0align.compare import DEFAULT_THRESHOLDS, calibrate, compare_dumps, load_thresholds, parse_overrides
 from pi0align.errors import UserError
 

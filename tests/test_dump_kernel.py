@@ -100,7 +100,8 @@ def test_every_float16_value_converts_exactly(kernel):
 
 @pytest.mark.parametrize("view", [
     lambda b: b.permute(3, 1, 0, 2), lambda b: b.transpose(0, 1), lambda b: b[:, ::2], lambda b: b[..., 1],
-    lambda b: b[:, :, None].expand(6, 5, 7, 4, 3), lambda b: b.flatten(1).t(), lambda b: b.permute(2, 0, 3, 1)[1:, :, ::2],
+    lambda b: b[:, :, None].expand(6, 5, 7, 4, 3), lambda b: b.flatten(1).t(),
+    lambda b: b.permute(2, 0, 3, 1)[1:, :, ::2],
     lambda b: b[0, 0, 0, :1].expand(4, 4), lambda b: b.to(torch.bfloat16).transpose(1, 3),
 ])
 def test_views_are_read_in_place_with_row_major_positions(kernel, view):

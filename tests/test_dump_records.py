@@ -9,8 +9,8 @@ import json
 import h5py
 import pytest
 import torch
-
 from dump_helpers import Net, find, manifest, read_step, record_rows, reference_checksum, train_steps
+
 from pi0align import Dumper
 from pi0align.dump.kernel import KERNEL
 

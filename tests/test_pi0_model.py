@@ -91,7 +91,8 @@ def test_bf16_trains_on_stock_transformers():
     """PI0's dtype=bfloat16 keeps SigLIP's patch embedding in float32; the compat layer casts after it."""
     torch.manual_seed(0)
     policy = build_policy("tiny", *features(), dtype="bf16")
-    assert policy.model.paligemma_with_expert.paligemma.model.language_model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    language_model = policy.model.paligemma_with_expert.paligemma.model.language_model
+    assert language_model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
     loss, _ = policy.forward(batch_for("tiny"))
     loss.backward()
     assert torch.isfinite(loss)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import io
-
-from rich.console import Console
 import dataclasses
+import io
 import os
 
+from rich.console import Console
 from test_report_samples import (
     BACKWARD_NAME,
     CULPRIT_MODULE,

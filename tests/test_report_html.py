@@ -129,7 +129,8 @@ def column_texts(page, column: str) -> list[str]:
     """The cells of one column on the current page of the row table, top to bottom."""
     return page.evaluate(
         """(column) => {
-            const index = [...document.querySelectorAll('#rows-table thead th')].findIndex(th => th.dataset.column === column);
+            const index = [...document.querySelectorAll('#rows-table thead th')]
+                .findIndex(th => th.dataset.column === column);
             return [...document.querySelectorAll('#rows-table tbody tr')].map(row => row.cells[index].textContent);
         }""",
         column,

@@ -58,7 +58,8 @@ def sample_rows(n_steps: int, calls_per_step: int, *, diverged: bool) -> pd.Data
     extra = dict(records[0], seq_a=pd.NA, seq_b=1000, name=EXTRA_NAME, api="Tensor.contiguous", pairing="only_b",
                  evidence="tensor", verdict="n/a", introduced_error=math.nan, stack="", severity=math.nan)
     for metric in ("cosine", "max_abs_err", "max_rel_err", "mean_rel_err", "rel_l2_err", "rmse", "within_1e-3",
-                   "within_5e-3", "nan_inf_mismatch", "min_rel_err", "max_val_rel_err", "mean_val_rel_err", "norm_rel_err"):
+                   "within_5e-3", "nan_inf_mismatch", "min_rel_err", "max_val_rel_err", "mean_val_rel_err",
+                   "norm_rel_err"):
         extra[metric] = math.nan
     records.append(extra)
     rows = pd.DataFrame.from_records(records, columns=ROW_COLUMNS)
@@ -83,7 +84,8 @@ def sample_comparison(*, diverged: bool = True, n_steps: int = 2, calls_per_step
     first_backward = CallRef(step=0, name=BACKWARD_NAME, module="model.layers.3.mlp", api="Functional.linear",
                              direction="backward", stack=["gemma.py:106 forward"]) if diverged else None
     steps = np.arange(10)
-    metrics_a = pd.DataFrame({"step": steps, "loss": 2.0 / (1 + steps), "grad_norm": 1.0 + 0 * steps, "lr": 1e-4 + 0 * steps})
+    metrics_a = pd.DataFrame({"step": steps, "loss": 2.0 / (1 + steps), "grad_norm": 1.0 + 0 * steps,
+                              "lr": 1e-4 + 0 * steps})
     metrics_b = metrics_a.assign(loss=metrics_a["loss"] * (1.01 if diverged else 1.0))
     return Comparison(
         verdict="diverged" if diverged else "aligned",

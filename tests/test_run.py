@@ -15,8 +15,9 @@ from conftest import REPO, assert_one_line_error, run_cli
 TINY = ("--preset", "tiny", "--batch-size", "4", "--threads", "2", "--no-progress", "--log-every", "0")
 SUMMARY_KEYS = {"steps", "final_loss", "final_grad_norm", "images_per_sec", "mean_step_time_s", "e2e_seconds", "out",
                 "device", "seed", "seed_impl", "parameter_count"}
-MANIFEST_KEYS = {"device", "device_name", "device_count", "dtype", "seed", "seed_impl", "world_size", "rank", "versions",
-                 "config", "hyperparameters", "weights_sha256", "dataset_fingerprint", "git_commit", "transformers_compat"}
+MANIFEST_KEYS = {"device", "device_name", "device_count", "dtype", "seed", "seed_impl", "world_size", "rank",
+                 "versions", "config", "hyperparameters", "weights_sha256", "dataset_fingerprint", "git_commit",
+                 "transformers_compat"}
 
 
 def read_log(run_dir: Path) -> list[dict]:
@@ -131,6 +132,14 @@ def test_make_dataset_output_loads_with_lerobot_offline(tmp_path):
 def test_bad_input_ends_with_one_line(args, fragments, tmp_path):
     result = run_cli("run", *TINY, "--steps", "1", "--out", tmp_path / "run", *args)
     assert_one_line_error(result, *fragments)
+
+
+def test_dump_steps_take_the_steps_grammar_of_every_command():
+    from pi0align.cli.steps import parse_steps
+
+    assert parse_steps("0, 3,5-7") == [0, 3, 5, 6, 7] and parse_steps("2-2") == [2]
+    for bad in ("x", "7-5", "-1"):
+        assert_one_line_error(run_cli("run", *TINY, "--dump-steps", bad), "--dump-steps", repr(bad))
 
 
 def test_corrupt_dataset_ends_with_one_line(tmp_path):

@@ -38,7 +38,8 @@ print(json.dumps({"impl": impl, "dropped": dropped, "draws": draws,
 def seed_in_child(prefer: str) -> dict:
     import json
 
-    result = subprocess.run([sys.executable, "-c", CHILD, prefer], capture_output=True, text=True, cwd=REPO, timeout=300)
+    result = subprocess.run([sys.executable, "-c", CHILD, prefer], capture_output=True, text=True, cwd=REPO,
+                            timeout=300)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 

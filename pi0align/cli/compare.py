@@ -7,21 +7,9 @@ from __future__ import annotations
 
 import argparse
 
+from pi0align.cli.steps import parse_steps
+
 EXIT_ALIGNED, EXIT_DIVERGED = 0, 1
-
-
-def parse_steps(text: str) -> list[int]:
-    """`"0,3,5-7"` -> `[0, 3, 5, 6, 7]`."""
-    steps: set[int] = set()
-    try:
-        for part in text.split(","):
-            first, _, last = part.strip().partition("-")
-            steps.update(range(int(first), int(last or first) + 1))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list of steps such as 0,3,5-7") from None
-    if not steps:
-        raise argparse.ArgumentTypeError(f"{text!r} names no step (a range must go upwards, as in 5-7)")
-    return sorted(steps)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

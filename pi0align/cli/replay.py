@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from pi0align.cli.compare import parse_steps
+from pi0align.cli.steps import parse_steps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from pi0align.cli.steps import parse_steps
 from pi0align.errors import UserError
 
 DUMP_LEVELS = ("api", "module", "mix")
@@ -18,17 +19,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = TrainConfig()
     run = parser.add_argument_group("run")
     run.add_argument("--device", default=defaults.device, help="cpu, cuda[:N] or npu[:N] (default: %(default)s)")
-    run.add_argument("--seed", type=int, default=defaults.seed, help="seed for every random source (default: %(default)s)")
+    run.add_argument("--seed", type=int, default=defaults.seed,
+                     help="seed for every random source (default: %(default)s)")
     run.add_argument("--preset", choices=("full", "small", "tiny"), default=defaults.preset,
                      help="model size; small presets keep PI0's architecture (default: %(default)s)")
     run.add_argument("--dtype", choices=("fp32", "bf16"), default=defaults.dtype, help="(default: %(default)s)")
     run.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default: {defaults.steps})")
     run.add_argument("--batch-size", type=int, default=defaults.batch_size, help="(default: %(default)s)")
     run.add_argument("--lr", type=float, default=None, help="peak learning rate (default: PI0's preset, 2.5e-5)")
-    run.add_argument("--num-workers", type=int, default=defaults.num_workers, help="dataloader workers (default: %(default)s)")
+    run.add_argument("--num-workers", type=int, default=defaults.num_workers,
+                     help="dataloader workers (default: %(default)s)")
     run.add_argument("--threads", type=int, default=defaults.threads, help="torch CPU threads (default: %(default)s)")
     run.add_argument("--log-every", type=int, default=defaults.log_every, help="console line every N steps; 0: none")
-    run.add_argument("--save-every", type=int, default=defaults.save_every, help="checkpoint every N steps; 0: only at the end")
+    run.add_argument("--save-every", type=int, default=defaults.save_every,
+                     help="checkpoint every N steps; 0: only at the end")
     run.add_argument("--out", type=Path, default=None, help="run folder (default: dumps/<device>-seed<seed>-<time>/)")
     run.add_argument("--resume", type=Path, default=None, metavar="DIR",
                      help="continue a run from its folder or one of its checkpoints; its config is reused")
@@ -46,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     seeding.add_argument("--no-deterministic", action="store_true", help="allow non-deterministic algorithms")
     seeding.add_argument("--keep-dropout", action="store_true", help="leave dropout active")
     dump = parser.add_argument_group("dump")
-    dump.add_argument("--dump-steps", default=None, metavar="0,10", help="steps to dump (0-based); none by default")
+    dump.add_argument("--dump-steps", type=parse_steps, default=None, metavar="0,10",
+                      help="steps to dump (0-based), e.g. 0,10 or 0-3; none by default")
     dump.add_argument("--dump-level", choices=DUMP_LEVELS, default="mix", help="(default: %(default)s)")
     dump.add_argument("--dump-mode", choices=DUMP_MODES, default="stats", help="(default: %(default)s)")
     dump.add_argument("--dump-include", action="append", default=[], metavar="PATTERN", help="only matching names")
@@ -88,16 +93,6 @@ def validate(config) -> None:
             raise UserError(f"--{name.replace('_', '-')} must not be negative")
 
 
-def parse_steps(text: str) -> list[int]:
-    try:
-        steps = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise UserError(f"--dump-steps takes comma-separated step numbers, e.g. 0,10 (got {text!r})") from None
-    if not steps or steps[0] < 0:
-        raise UserError(f"--dump-steps takes non-negative step numbers (got {text!r})")
-    return steps
-
-
 def make_dumper(args, out: Path, seed: int):
     if args.perturb_ulps < 0:
         raise UserError("--perturb-ulps must not be negative")
@@ -107,7 +102,7 @@ def make_dumper(args, out: Path, seed: int):
         return None
     from pi0align.dump import Dumper
 
-    return Dumper(out / "dump.h5", steps=parse_steps(args.dump_steps), level=args.dump_level, mode=args.dump_mode,
+    return Dumper(out / "dump.h5", steps=args.dump_steps, level=args.dump_level, mode=args.dump_mode,
                   include=args.dump_include or None, exclude=args.dump_exclude or None,
                   perturb_ulps=args.perturb_ulps, perturb_seed=seed)
 

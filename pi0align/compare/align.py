@@ -111,7 +111,8 @@ def _norms(calls: Table, norms: np.ndarray, rows: np.ndarray) -> list[np.ndarray
 
 
 def align_sequences(tokens_a: Sequence[int], tokens_b: Sequence[int], apis_a: Sequence[int] = (),
-                    apis_b: Sequence[int] = (), norms_a: Sequence = (), norms_b: Sequence = ()) -> list[tuple[int, int]]:
+                    apis_b: Sequence[int] = (), norms_a: Sequence = (),
+                    norms_b: Sequence = ()) -> list[tuple[int, int]]:
     """Order-preserving pairs (i, j) of positions with equal tokens, plus, inside differing
     stretches, equal APIs (calls whose shape or dtype changed); closest norms break ties."""
     runs_a, runs_b = _runs(tokens_a), _runs(tokens_b)
@@ -205,21 +206,21 @@ def _backtrack(trace: list[list[int]], x: int, y: int) -> list[tuple[int, int]]:
 
 
 def _match_run(count_a: int, count_b: int, norms_a: Sequence, norms_b: Sequence) -> list[tuple[int, int]]:
-    """Pair a run of k equal-token calls with a run of l: in order when k == l, else the
-    order-preserving choice of min(k, l) pairs with the closest tensor norms (dynamic programming)."""
+    """Pair a run of k equal-token calls with a run of m: in order when k == m, else the
+    order-preserving choice of min(k, m) pairs with the closest tensor norms (dynamic programming)."""
     if count_a == count_b or not len(norms_a) or count_a * count_b > _MAX_RUN_DP:
         return [(i, i) for i in range(min(count_a, count_b))]
     swap = count_a > count_b
     short, long_ = (norms_b, norms_a) if swap else (norms_a, norms_b)
-    k, l = len(short), len(long_)
+    k, m = len(short), len(long_)
     cost = np.array([[_distance(s, t) for t in long_] for s in short])
     # best[i, j]: least cost of pairing short[:i] within long_[:j]
-    best = np.full((k + 1, l + 1), np.inf)
+    best = np.full((k + 1, m + 1), np.inf)
     best[0, :] = 0.0
     for i in range(1, k + 1):
-        for j in range(i, l + 1):
+        for j in range(i, m + 1):
             best[i, j] = min(best[i, j - 1], best[i - 1, j - 1] + cost[i - 1, j - 1])
-    pairs, i, j = [], k, l
+    pairs, i, j = [], k, m
     while i > 0:
         if best[i, j] == best[i, j - 1] and j > i:
             j -= 1

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 
-from pi0align.compare import rootcause
 from pi0align.compare.align import pair_records
 from pi0align.compare.arguments import arguments_differ, hyper_parameter_differences
 from pi0align.compare.explain import (
@@ -39,6 +38,7 @@ from pi0align.compare.open_dump import open_run
 from pi0align.compare.records import OUTPUT_ROLES, Dump, user_frames
 from pi0align.compare.reference import check_reference, raised_limits, reference_notes
 from pi0align.compare.result import ROW_COLUMNS, Comparison
+from pi0align.compare.rootcause import call_errors, culprits, first_divergence, first_failing
 from pi0align.compare.rounding import measure_without_rounding
 from pi0align.compare.table import Table, gather, isin, lookup
 from pi0align.compare.thresholds import load_thresholds
@@ -309,7 +309,7 @@ def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, r
     rows["verdict"][data_differ(rows)] = "fail"
     first_a, first_b = runs_a[min(runs_a)], runs_b[min(runs_b)]
     diff = manifest_diff(first_a.manifest, first_b.manifest)
-    calls = rootcause.call_errors(rows)
+    calls = call_errors(rows)
     fallback = "reference" if reference is not None else "intrinsic"
     judgement = judge(calls, fallback, exact=bit_comparable(rows, diff, first_a.manifest))
     rows["verdict"][explained_rows(rows, calls, judgement)] = "warn"
@@ -318,8 +318,8 @@ def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, r
     rows["verdict"][exact & isin(rows["role"], OUTPUT_ROLES) & ~rows["identical"]] = "fail"
     rows["introduced_error"] = _introduced_per_row(rows, calls)
     stack_of = lambda rank, step, seq: stack_lookups[rank](step, seq) if rank in stack_lookups else []
-    first = rootcause.first_divergence(calls, judgement.culprit, stack_of)
-    first_bwd = rootcause.first_divergence(calls, judgement.culprit, stack_of, direction="backward")
+    first = first_divergence(calls, judgement.culprit, stack_of)
+    first_bwd = first_divergence(calls, judgement.culprit, stack_of, direction="backward")
     notes += manifest_notes(diff) + numerics_notes(first_a.manifest, first_b.manifest)
     notes += _coverage_notes(rows)
     hyper_parameters = parts[0][3] if parts else []
@@ -336,7 +336,7 @@ def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, r
     coverage.update({label: int((pairing == label).sum())
                      for label in ("realigned", "shape_mismatch", "dtype_mismatch")})
     if failed and first is None:
-        first = rootcause.first_failing(calls, stack_of)
+        first = first_failing(calls, stack_of)
         if first is not None:
             notes.append(f"no call introduces error beyond noise: the first differing call, {first.name} "
                          f"(step {first.step}), already receives differing inputs (input data, initial weights, "
@@ -345,7 +345,7 @@ def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, r
     return Comparison(
         verdict="diverged" if failed or weights_differ or judgement else "aligned",
         rows=rows.select(ROW_COLUMNS).take(order),
-        coverage=coverage, first_divergence=first, culprits=rootcause.culprits(calls, judgement, stack_of),
+        coverage=coverage, first_divergence=first, culprits=culprits(calls, judgement, stack_of),
         thresholds=thresholds, source_a=source_a, source_b=source_b,
         metrics_a=first_a.metrics, metrics_b=first_b.metrics, manifest_diff=diff, notes=notes,
         first_divergence_backward=first_bwd,
@@ -359,7 +359,7 @@ def _introduced_per_row(rows: Table, calls: Table) -> np.ndarray:
     keys = ("rank", "step", "direction")
     call = lookup([*(rows[k] for k in keys), rows["seq_a"]],
                   [*(calls[k] for k in keys), calls["seq_a"].astype(np.float64)])
-    return np.where(isin(rows["role"], rootcause.OUTPUT_ROLES), gather(calls["introduced_error"], call, np.nan), np.nan)
+    return np.where(isin(rows["role"], OUTPUT_ROLES), gather(calls["introduced_error"], call, np.nan), np.nan)
 
 
 def _weights_differ(diff: list) -> bool:

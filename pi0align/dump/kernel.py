@@ -18,7 +18,6 @@ import collections
 import ctypes
 import os
 
-import numpy as np
 import torch
 
 from pi0align.dump import observer
@@ -145,7 +144,8 @@ void reduce(const void* data, int ndim, const int64_t* size, const int64_t* stri
   });
   if (!std::isfinite(a.sum) || !std::isfinite(a.sq)) {  // a NaN or Inf somewhere: mask them out
     Acc<K> m;
-    walk<K>(x, ndim, size, stride, step, [&](const Raw* r, int64_t n, int64_t s, int64_t) { masked_row<K>(r, n, s, m); });
+    walk<K>(x, ndim, size, stride, step,
+            [&](const Raw* r, int64_t n, int64_t s, int64_t) { masked_row<K>(r, n, s, m); });
     m.check = a.check;
     a = m;
   }

@@ -80,7 +80,8 @@ def checksum(flat: torch.Tensor, ramps: ChecksumWeights) -> torch.Tensor:
         matrix = bits[: rows * _COLUMNS].view(rows, _COLUMNS)
         row_sums = matrix.sum(1, dtype=dtype)
         by_row = _dot(row_sums, ramps.get(rows, bits.device, dtype))
-        by_column = _dot(matrix.sum(0, dtype=dtype), ramps.get(_COLUMNS, bits.device, dtype)) + row_sums.sum(dtype=dtype)
+        by_column = (_dot(matrix.sum(0, dtype=dtype), ramps.get(_COLUMNS, bits.device, dtype))
+                     + row_sums.sum(dtype=dtype))
         total = total + by_row * _COLUMNS + by_column
     return total
 

@@ -50,7 +50,8 @@ class DumpWriter:
         self._process = subprocess.Popen(
             [sys.executable, "-m", "pi0align.dump.writer_process", str(fd), str(self._ring_bytes),
              "1" if compress else "0", str(path)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,), env={**os.environ, "PYTHONPATH": python_path})
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,),
+            env={**os.environ, "PYTHONPATH": python_path})
         os.close(fd)  # both processes map it: the memory lives while either does
         self._head = 0  # ring bytes ever handed out (a position in an unbounded stream)
         self._freed = 0  # stream position up to which the writer is done with the ring

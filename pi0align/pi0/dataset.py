@@ -150,7 +150,7 @@ def fingerprint(root: Path) -> str:
 
 
 def default_dataset() -> Path:
-    """The built-in synthetic dataset, made once per machine (see `pi0align.pi0.cache`)."""
-    from pi0align.pi0.cache import cached_folder
+    """The built-in synthetic dataset, made once per machine (see `pi0align.cache`)."""
+    from pi0align.cache import cached_folder
 
     return cached_folder("synthetic_koch-v1", make_synthetic_dataset)

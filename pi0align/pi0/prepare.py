@@ -55,7 +55,8 @@ def fetch(out: Path, dataset_repo: str) -> list[Path]:
             raise UserError(f"no network to {endpoint} ({type(error).__name__}): copy the files into {out} by hand "
                             f"(layout: `pi0align prepare --help`) and run `pi0align prepare --check {out}`") from None
         except HfHubHTTPError as error:
-            raise UserError(f"{artifact.repo_id}: {str(error).splitlines()[0]} (gated models need `hf auth login`)") from None
+            reason = str(error).splitlines()[0]
+            raise UserError(f"{artifact.repo_id}: {reason} (gated models need `hf auth login`)") from None
     return check(out, dataset_repo)
 
 
@@ -70,7 +71,8 @@ def check(out: Path, dataset_repo: str) -> list[Path]:
         for alternatives in artifact.required_files:
             present = [folder / name for name in alternatives.split("|") if (folder / name).is_file()]
             if not present:
-                raise UserError(f"{artifact.repo_id}: {folder / alternatives.split('|')[0]} is missing ({artifact.flag})")
+                missing = folder / alternatives.split("|")[0]
+                raise UserError(f"{artifact.repo_id}: {missing} is missing ({artifact.flag})")
             empty = [path for path in present if path.stat().st_size == 0]
             if empty:
                 raise UserError(f"{artifact.repo_id}: {empty[0]} is empty (interrupted download?)")

@@ -63,7 +63,7 @@ def make_small_tokenizer(vocab_size: int, directory: Path):
 
 def default_tokenizer(vocab_size: int):
     """The generated tokenizer for a small preset's vocabulary size, made once per machine."""
-    from pi0align.pi0.cache import cached_folder
+    from pi0align.cache import cached_folder
 
     folder = cached_folder(f"tokenizer-bpe{vocab_size}-v1", lambda path: make_small_tokenizer(vocab_size, path))
     return load_tokenizer(folder)

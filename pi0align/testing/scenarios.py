@@ -215,8 +215,9 @@ def kind_cases() -> list[Case]:
                 expected = ({"kind": "optimizer", "direction": "optimizer", "step": 0, "group": "Optimizer.step"}
                             if "eps" in change else {"top": "input/Data#0", "kind": "data", "direction": "data",
                                                      "step": 1})
-                cases.append(Case(f"{model} bf16 {mode}: ulp noise + {'AdamW eps 1e-6' if 'eps' in change else 'one sample changed at step 1'}",
-                                  a, b, "diverged", reference=_noise(a) if mode == "stats" else None, **expected))
+                what = "AdamW eps 1e-6" if "eps" in change else "one sample changed at step 1"
+                cases.append(Case(f"{model} bf16 {mode}: ulp noise + {what}", a, b, "diverged",
+                                  reference=_noise(a) if mode == "stats" else None, **expected))
             backward = Emulation(fault=(path, function, 0, 1.001), fault_backward=True)
             a, b = _toy(model, "fp32", mode, device=backward)
             cases.append(Case(f"{model} fp32 {mode}: {function}'s gradient 1e-3 off", a, b, "diverged", culprit,

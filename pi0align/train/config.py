@@ -32,10 +32,11 @@ class TrainConfig:
     progress: bool = True  # rich progress bar
 
     def to_json(self) -> dict:
-        return {key: str(value) if isinstance(value, Path) else value for key, value in dataclasses.asdict(self).items()}
+        fields = dataclasses.asdict(self)
+        return {key: str(value) if isinstance(value, Path) else value for key, value in fields.items()}
 
     @classmethod
-    def from_json(cls, data: dict) -> "TrainConfig":
+    def from_json(cls, data: dict) -> TrainConfig:
         paths = {f.name for f in dataclasses.fields(cls) if "Path" in str(f.type)}
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: (Path(v) if k in paths and v is not None else v) for k, v in data.items() if k in known})
