@@ -33,7 +33,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # dumpfactory: the test suite's dump writers
 
 PYTHON = sys.executable
 MSPROBE = shutil.which("msprobe", path=str(Path(PYTHON).parent)) or shutil.which("msprobe")
@@ -178,8 +177,8 @@ def write_synthetic_msprobe(folder: Path, calls: int, *, seed: int, extra_every:
 
 def write_big_dump(path: Path, gigabytes: float, seed: int) -> int:
     """A pi0align tensor dump of float32 tensors of 64 MiB each, `gigabytes` in all, written with
-    dumpfactory (same layout the tests use). Returns the tensor bytes."""
-    from dumpfactory import Call, Step, write_dump
+    pi0align.testing.dumpfactory (the writer the tests use). Returns the tensor bytes."""
+    from pi0align.testing.dumpfactory import Call, Step, write_dump
 
     elements = 1 << 24  # 64 MiB of float32
     count = max(1, round(gigabytes * (1 << 30) / (elements * 4)))
@@ -277,7 +276,7 @@ def main() -> None:
 
 
 def real_msprobe_dumps(work: Path) -> None:
-    from dumpfactory import write_msprobe_dump
+    from pi0align.testing.dumpfactory import write_msprobe_dump
 
     for task in ("statistics", "tensor"):
         a = write_msprobe_dump(work / f"real_{task}_a", task=task, width=256, depth=24)

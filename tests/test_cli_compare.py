@@ -1,4 +1,4 @@
-"""`pi0align compare` end to end on real dump files (tests/dumpfactory.py): exit codes, outputs,
+"""`pi0align compare` end to end on real dump files (pi0align/testing/dumpfactory.py): exit codes, outputs,
 one-line errors, no torch, and the HTML report of a real fault in the browser."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import sys
 import pandas as pd
 import pytest
 from conftest import assert_one_line_error
-from dumpfactory import Fault, run_toy_model, write_dump
 from test_report_html import browser, column_texts  # noqa: F401  (browser is a fixture)
 
 from pi0align.cli.main import main
+from pi0align.testing.dumpfactory import Fault, run_toy_model, write_dump
 
 FAULT = Fault("model.layers.1.linear/Functional.linear#0")
 FAULT_MODULE = "model.layers.1.linear"

@@ -6,10 +6,10 @@ import json
 
 import numpy as np
 import pytest
-from dumpfactory import Fault, default_manifest, run_toy_model, write_dump
 
 from pi0align.compare import ROW_COLUMNS, compare_dumps, load_thresholds
 from pi0align.errors import UserError
+from pi0align.testing.dumpfactory import Fault, default_manifest, run_toy_model, write_dump
 
 MODES = ["stats", "sample", "tensor"]
 NOISE = dict(noise=1e-7, steps=2)  # reduction-order noise of float32: two runs never agree bit for bit

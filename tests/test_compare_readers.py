@@ -7,11 +7,11 @@ import json
 
 import h5py
 import pytest
-from dumpfactory import run_toy_model, write_dump, write_msprobe_dump
 
 from pi0align.compare import compare_dumps
 from pi0align.compare.open_dump import open_run
 from pi0align.errors import UserError
+from pi0align.testing.dumpfactory import run_toy_model, write_dump, write_msprobe_dump
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,8 @@ def test_msprobe_tensor_dump_against_our_dump_of_the_same_values(tmp_path):
     """Either side may be msprobe's: a pi0align dump built from the msprobe dump's own tensors,
     once faithfully and once with one call's output scaled, compares against the msprobe folder."""
     import numpy as np
-    from dumpfactory import Call, Step
+
+    from pi0align.testing.dumpfactory import Call, Step
 
     ms = write_msprobe_dump(tmp_path / "ms", task="tensor")
     (dump,) = open_run(ms).values()

@@ -6,10 +6,10 @@ import json
 
 import numpy as np
 import pytest
-from dumpfactory import Fault, run_toy_model, write_dump
 
 from pi0align.compare import DEFAULT_THRESHOLDS, calibrate, compare_dumps, load_thresholds, parse_overrides
 from pi0align.errors import UserError
+from pi0align.testing.dumpfactory import Fault, run_toy_model, write_dump
 
 
 def test_defaults_are_ordered_by_precision():

@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from dump_helpers import read_step, train_steps
 
 from pi0align import Dumper
 from pi0align.dump import capture
 from pi0align.dump.kernel import KERNEL
+from pi0align.testing.dump_helpers import read_step, train_steps
 
 pytestmark = pytest.mark.skipif(KERNEL.load() != "fused" or KERNEL.observer is None,
                                 reason=f"the extension is not built here ({KERNEL.observer_status})")

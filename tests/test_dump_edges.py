@@ -10,10 +10,10 @@ import hdf5plugin
 import numpy as np
 import pytest
 import torch
-from dump_helpers import find, read_step, reference_checksum
 
 from pi0align import Dumper
 from pi0align.dump.stats import ChecksumWeights, StatsBatch, _masked
+from pi0align.testing.dump_helpers import find, read_step, reference_checksum
 
 torch.set_num_threads(1)
 

@@ -10,10 +10,10 @@ import h5py
 import pytest
 import torch
 from conftest import REPO
-from dump_helpers import Net
 
 from pi0align import Dumper
 from pi0align.errors import UserError
+from pi0align.testing.dump_helpers import Net
 
 torch.set_num_threads(1)
 
@@ -44,7 +44,7 @@ import os, resource, signal, sys
 from pathlib import Path
 import torch
 sys.path.insert(0, "tests")
-from dump_helpers import Net, train_steps
+from pi0align.testing.dump_helpers import Net, train_steps
 from pi0align import Dumper
 from pi0align.errors import UserError
 

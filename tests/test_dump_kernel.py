@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import without_compiler
-from dump_helpers import reference_checksum
 
 from pi0align import Dumper
 from pi0align.dump import observer
 from pi0align.dump.kernel import KERNEL, Kernel
 from pi0align.dump.stats import ChecksumWeights, torch_stats
+from pi0align.testing.dump_helpers import reference_checksum
 
 pytestmark = pytest.mark.skipif(KERNEL.load() != "fused", reason=f"no fused kernel here ({KERNEL.status})")
 

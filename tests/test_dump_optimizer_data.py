@@ -10,10 +10,10 @@ import json
 import pytest
 import torch
 from conftest import without_compiler
-from dump_helpers import read_step, reference_checksum
 
 from pi0align import Dumper
 from pi0align.dump.kernel import KERNEL, Kernel
+from pi0align.testing.dump_helpers import read_step, reference_checksum
 
 torch.set_num_threads(1)
 

@@ -9,10 +9,11 @@ import json
 import h5py
 import pytest
 import torch
-from dump_helpers import Net, find, manifest, read_step, record_rows, reference_checksum, train_steps
 
 from pi0align import Dumper
 from pi0align.dump.kernel import KERNEL
+from pi0align.testing import dump_helpers
+from pi0align.testing.dump_helpers import Net, find, manifest, read_step, record_rows, reference_checksum, train_steps
 
 torch.set_num_threads(1)
 
@@ -183,7 +184,7 @@ def test_arguments_stacks_metrics_and_root_attributes(dumped):
         assert list(f["metrics/step"][()]) == [0, 1]
         loss, lr = f["metrics/loss"][()], f["metrics/lr"][()]
     tanh_stack = stacks[calls["stack_id"][calls["name"].index("block/Torch.tanh#1")]]
-    assert tanh_stack[-1].startswith(__file__.replace("test_dump_records.py", "dump_helpers.py"))
+    assert tanh_stack[-1].startswith(dump_helpers.__file__)
     assert tanh_stack[-1].endswith(" forward") and any("train_steps" in frame for frame in tanh_stack)
     assert calls["stack_id"][calls["name"].index("head.weight/Parameter#0")] == -1
     assert len(stacks) == len(set(c for c in calls["stack_id"] if c >= 0))  # once per call site

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from dump_helpers import Net, find, read_step, train_steps
 
 from pi0align import Dumper
 from pi0align.dump.sampling import sample_positions
+from pi0align.testing.dump_helpers import Net, find, read_step, train_steps
 
 torch.set_num_threads(1)
 SIZE = 5

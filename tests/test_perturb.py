@@ -7,9 +7,9 @@ import h5py
 import numpy as np
 import torch
 from conftest import assert_one_line_error, run_cli
-from dump_helpers import manifest, read_step
 
 from pi0align import Dumper
+from pi0align.testing.dump_helpers import manifest, read_step
 from pi0align.testing.models import Mlp
 
 

@@ -134,6 +134,17 @@ def test_bad_input_ends_with_one_line(args, fragments, tmp_path):
     assert_one_line_error(result, *fragments)
 
 
+def test_the_config_checks_itself_from_python_and_from_the_command_line():
+    from pi0align.errors import UserError
+    from pi0align.train.config import TrainConfig
+
+    for fields, message in (({"steps": 0}, "--steps must be at least 1"), ({"log_every": -1}, "--log-every"),
+                            ({"dtype": "fp16"}, "--dtype must be one of fp32, bf16")):
+        with pytest.raises(UserError, match=message):
+            TrainConfig(**fields)
+    assert_one_line_error(run_cli("run", *TINY, "--batch-size", "0"), "--batch-size must be at least 1")
+
+
 def test_dump_steps_take_the_steps_grammar_of_every_command():
     from pi0align.cli.steps import parse_steps
 

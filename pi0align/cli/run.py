@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 
@@ -68,10 +69,8 @@ def config_from_args(args):
     if args.resume is not None:
         resume_from = checkpoint.resolve(args.resume)
         config = checkpoint.load_config(resume_from)
-        config.out = resume_from.parent.parent
-        if args.steps is not None:
-            config.steps = args.steps
-        config.progress = not args.no_progress
+        steps = args.steps if args.steps is not None else config.steps
+        config = dataclasses.replace(config, out=resume_from.parent.parent, steps=steps, progress=not args.no_progress)
         return config, resume_from
     config = TrainConfig(
         device=args.device, seed=args.seed, preset=args.preset, dtype=args.dtype,
@@ -82,15 +81,6 @@ def config_from_args(args):
         deterministic=not args.no_deterministic, rm_dropout=not args.keep_dropout, progress=not args.no_progress,
     )
     return config, None
-
-
-def validate(config) -> None:
-    for name in ("steps", "batch_size", "threads"):
-        if getattr(config, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("num_workers", "save_every", "log_every"):
-        if getattr(config, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must not be negative")
 
 
 def make_dumper(args, out: Path, seed: int):
@@ -110,19 +100,22 @@ def make_dumper(args, out: Path, seed: int):
 def main(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from pi0align.train.loop import default_out_dir
+
+    # the flags are checked before the slow imports below: a bad one fails at once
+    config, resume_from = config_from_args(args)
+    config.out = Path(config.out or default_out_dir(config))
+    dumper = make_dumper(args, config.out, config.seed)
+
     import datasets
     import transformers
 
     from pi0align.train.log import summary_lines
-    from pi0align.train.loop import default_out_dir, train
+    from pi0align.train.loop import train
 
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
-
-    config, resume_from = config_from_args(args)
-    validate(config)
-    config.out = Path(config.out or default_out_dir(config))
-    summary = train(config, dumper=make_dumper(args, config.out, config.seed), resume_from=resume_from)
+    summary = train(config, dumper=dumper, resume_from=resume_from)
     for line in summary_lines(summary):
         print(line)
     print(f"run folder: {summary['out']}")

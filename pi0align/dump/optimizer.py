@@ -87,7 +87,7 @@ class OptimizerRecorder:
         with torch._C.DisableTorchFunction():
             for call, name, param, group in opened:
                 state = _state_tensors(optimizer.state.get(param, {}))
-                log.calls["args"][call] = hyper_parameters(group, [k for k, _ in state])  # lazily made states
+                log.set_arguments(call, hyper_parameters(group, [k for k, _ in state]))  # states made lazily
                 log.add_tensor(call, name, "output", 0, param)
                 for index, (_, tensor) in enumerate(state, start=2):
                     log.add_tensor(call, name, "output", index, tensor)

@@ -120,6 +120,10 @@ class StepLog:
         arguments.append(args)
         return call_id
 
+    def set_arguments(self, call_id: int, args: str) -> None:
+        """Replace a call's recorded arguments (known only once it has run: the optimizer's states)."""
+        self.calls["args"][call_id] = args
+
     def open_backward(self, forward_id: int) -> int:
         """Open the backward row of a forward call (when its first gradient arrives)."""
         calls = self.calls

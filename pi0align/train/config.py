@@ -1,4 +1,6 @@
-"""The one config object of a training run. Every field is a `pi0align run` flag of the same name."""
+"""The one config object of a training run. Every field is a `pi0align run` flag of the same name;
+the config checks itself when made, so a bad value fails the same way from the command line, a
+resumed run's saved config, or Python."""
 
 from __future__ import annotations
 
@@ -7,6 +9,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pi0align.errors import UserError
+
+CHOICES = {"preset": ("full", "small", "tiny"), "dtype": ("fp32", "bf16"), "seed_impl": ("msprobe", "pi0align")}
+AT_LEAST_ONE = ("steps", "batch_size", "threads")
+NOT_NEGATIVE = ("num_workers", "save_every", "log_every")
 
 
 @dataclass
@@ -31,6 +39,17 @@ class TrainConfig:
     rm_dropout: bool = True  # seed_all(rm_dropout=...)
     progress: bool = True  # rich progress bar
 
+    def __post_init__(self) -> None:
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise UserError(f"--{_flag(name)} must be one of {', '.join(choices)}, not {getattr(self, name)!r}")
+        for name in AT_LEAST_ONE:
+            if getattr(self, name) < 1:
+                raise UserError(f"--{_flag(name)} must be at least 1")
+        for name in NOT_NEGATIVE:
+            if getattr(self, name) < 0:
+                raise UserError(f"--{_flag(name)} must not be negative")
+
     def to_json(self) -> dict:
         fields = dataclasses.asdict(self)
         return {key: str(value) if isinstance(value, Path) else value for key, value in fields.items()}
@@ -43,3 +62,7 @@ class TrainConfig:
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+
+def _flag(field_name: str) -> str:
+    return field_name.replace("_", "-")

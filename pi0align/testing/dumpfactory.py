@@ -13,7 +13,8 @@ Also: default_manifest(**overrides), Fault(name, direction, scale, noise), check
 sample_positions(...), and write_msprobe_dump(out, task=..., scale=...) for a real msprobe dump
 of a small torch MLP (needs mindstudio-probe; runs in a child process).
 
-Calls per step (forward, then backward in reverse, then parameters):
+Calls per step (forward, then backward in reverse, then parameters: msprobe's order; compare
+orders a step by its phases, so ours, parameters first, reads the same):
     model.layers.<i>.linear/Functional.linear#0   inputs x, W, b -> y
     model.layers.<i>/Torch.tanh#0                 y -> h
     model.layers.<i>/Tensor.__add__#0             h, x -> out  (residual)
