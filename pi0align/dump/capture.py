@@ -352,13 +352,10 @@ class Capture:
                 earlier = self._grad_rows.get(id(param))
                 if earlier is not None:
                     self.log.drop(earlier)  # gradient accumulation: the last sum is the gradient
-                call_id = (self._param_calls or {}).get(id(param))
-                if call_id is None:  # a parameter the forward did not read through the model
-                    call_id = self.log.open_call(record_name, name.rpartition(".")[0], "Parameter", "parameter",
-                                                 -1, "{}")
-                    self._param_calls = {**(self._param_calls or {}), id(param): call_id}
-                self._grad_rows[id(param)] = self.log.add_tensor(call_id, record_name, "parameter_grad", 0,
-                                                                 param.grad)
+                if self._param_calls is None:  # started between the forward and the backward
+                    self._read_parameters()
+                self._grad_rows[id(param)] = self.log.add_tensor(self._param_calls[id(param)], record_name,
+                                                                 "parameter_grad", 0, param.grad)
 
         return hook
 
