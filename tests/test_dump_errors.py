@@ -43,7 +43,6 @@ FULL_DISK = """
 import os, resource, signal, sys
 from pathlib import Path
 import torch
-sys.path.insert(0, "tests")
 from pi0align.testing.dump_helpers import Net, train_steps
 from pi0align import Dumper
 from pi0align.errors import UserError
