@@ -10,7 +10,9 @@ step); the "until ..." variants also wait (`Dumper.flush()`) until the step is w
 cost, paid by the training thread only when the writer falls behind (in tensor mode, when steps
 are dumped back to back). msprobe's PrecisionDebugger (when installed) at L1 and
 mix, statistics and tensor, each in its own process because it is a process-wide singleton. Also
-bytes written per dumped step.
+bytes written per dumped step, and the device ops each dump backend issues per recorded tensor
+(counted by a TorchDispatchMode: the ops of a dumped step beyond those of the same step undumped;
+views are not counted, they launch nothing). The torch backend is what an accelerator runs.
 
     .venv/bin/python bench/dump_overhead.py [--preset small] [--rounds 5] [--batch-size 8]
 """
@@ -31,11 +33,12 @@ from pathlib import Path
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 31),
               "MALLOC_TOP_PAD_": str(1 << 28), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-# variant -> (mode, level); idle: started, but the step is not one to dump
-OURS = {"idle": None, "stats": ("stats", "mix"), "stats, until written": ("stats", "mix"),
-        "stats (api level)": ("stats", "api"), "sample": ("sample", "mix"), "sample, until written": ("sample", "mix"),
-        "tensor": ("tensor", "mix"), "tensor, uncompressed": ("tensor", "mix"),
-        "tensor, until on disk": ("tensor", "mix")}
+# variant -> (mode, level, backend); idle: started, but the step is not one to dump
+OURS = {"idle": None, "stats": ("stats", "mix", "auto"), "stats, until written": ("stats", "mix", "auto"),
+        "stats, torch backend": ("stats", "mix", "torch"), "stats (api level)": ("stats", "api", "auto"),
+        "sample": ("sample", "mix", "auto"), "sample, until written": ("sample", "mix", "auto"),
+        "tensor": ("tensor", "mix", "auto"), "tensor, uncompressed": ("tensor", "mix", "auto"),
+        "tensor, until on disk": ("tensor", "mix", "auto")}
 MSPROBE = {"msprobe L1 statistics": ("statistics", "L1"), "msprobe mix statistics": ("statistics", "mix"),
            "msprobe L1 tensor": ("tensor", "L1")}
 
@@ -96,9 +99,9 @@ def bench_ours(args, work: Path) -> list[tuple[str, float, float, int]]:
 
     dumpers, variants, counts = {}, {}, {}
     for name, how in OURS.items():
-        mode, level = how or ("stats", "mix")
-        dumper = Dumper(work / name.replace(" ", "_"), steps=[] if how is None else None, level=level, mode=mode,
-                        compress="uncompressed" not in name)
+        mode, level, backend = how or ("stats", "mix", "auto")
+        dumper = Dumper(work / name.replace(" ", "_").replace(",", ""), steps=[] if how is None else None,
+                        level=level, mode=mode, compress="uncompressed" not in name, backend=backend)
         dumper.start(policy)
         dumper.stop()
         dumpers[name], counts[name] = dumper, 0
@@ -123,8 +126,56 @@ def bench_ours(args, work: Path) -> list[tuple[str, float, float, int]]:
         dumper.__exit__(None, None, None)
     plain_time = _plain_time(step)
     return [(name, statistics.median(r), plain_time,
-             folder_bytes(work / name.replace(" ", "_")) // counts[name] if OURS[name] else 0)
+             folder_bytes(work / name.replace(" ", "_").replace(",", "")) // counts[name] if OURS[name] else 0)
             for name, r in ratios.items()]
+
+
+def device_ops_per_record(args, work: Path) -> dict[str, tuple[float, int]]:
+    """{backend and level: (device ops per recorded tensor, records)} of one dumped step in stats
+    mode. At level module the capture does not see in-place calls, so a queued tensor could change
+    before its batch is reduced: there the torch backend queues a copy of each (one more op)."""
+    import h5py
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pi0align import Dumper
+    from pi0align.train.loop import train_step
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    policy, optimizer, scheduler, batch, clip = build(args.preset, args.batch_size, work / "ops")
+
+    def counted(run) -> int:
+        Count.ops = 0
+        with Count():
+            run()
+        return Count.ops
+
+    def plain_step():
+        train_step(policy, batch, optimizer, scheduler, clip)
+
+    plain_step()  # the optimizer makes its states at its first step
+    plain = counted(plain_step)
+    out = {}
+    for backend, level in (("native", "mix"), ("torch", "mix"), ("torch", "module")):
+        dumper = Dumper(work / f"ops-{backend}-{level}", level=level, mode="stats", backend=backend)
+        dumper.start(policy, optimizer=optimizer)
+
+        def dumped(dumper=dumper):
+            plain_step()
+            dumper.step()
+
+        dumped()  # its first step makes what later ones reuse
+        ops = counted(dumped)
+        dumper.close()
+        with h5py.File(dumper.file, "r") as f:
+            records = len(f["steps/000001/records/role"])
+        out[f"{backend} backend, level {level}"] = ((ops - plain) / records, records)
+    return out
 
 
 def bench_msprobe(args, work: Path, name: str) -> list[tuple[str, float, float, int]]:
@@ -189,6 +240,7 @@ def main() -> int:
             print(json.dumps(bench_msprobe(args, work, args.msprobe_variant)))
             return 0
         rows = bench_ours(args, work)
+        ops = device_ops_per_record(args, work)
         why_not = "skipped (--skip-msprobe)" if args.skip_msprobe else msprobe_available()
         if why_not is None:
             for name in MSPROBE:
@@ -210,6 +262,8 @@ def main() -> int:
     print(f"{'variant':28s} {'ratio':>7s} {'plain step s':>13s} {'bytes/step':>12s}")
     for name, ratio, plain, size in rows:
         print(f"{name:28s} {ratio:7.2f} {plain:13.3f} {size:12,d}")
+    for variant, (per_record, records) in ops.items():
+        print(f"device ops per recorded tensor, {variant}: {per_record:.2f} ({records} records a step)")
     ours = {name: ratio for name, ratio, _, _ in rows}
     if "msprobe L1 statistics" in ours:
         print(f"msprobe L1 statistics overhead / ours (stats): "

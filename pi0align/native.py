@@ -1,11 +1,12 @@
-"""Small C++ kernels, compiled with the system compiler on first use: C entry points loaded with
-ctypes (`Library`), or a Python extension module (`Extension`).
+"""Native sources (`csrc/*.cpp` beside the module that uses them, shipped as package data),
+compiled with the system compiler on first use: C entry points loaded with ctypes (`Library`,
+for parts that must not import torch), or a Python extension module (`Extension`).
 
-Each library is cached under the pi0align cache, keyed by its source, the flags, the compiler and
-this CPU (`-march=native`: a library built here must not run on another CPU). It is written under
-a temporary name and renamed, so concurrent processes never load a half-written file. ctypes
-releases the GIL during a call, so threads run kernels in parallel. Callers keep a slower path
-for machines without a compiler.
+The sources are compiled where they lie, so a compiler error names the real file and line. Each
+build is cached under the pi0align cache, keyed by the sources and the headers beside them, the
+flags, the compiler and this CPU (`-march=native`: a library built here must not run on another
+CPU). It is written under a temporary name and renamed, so concurrent processes never load a
+half-written file. Callers keep a slower path for machines without a compiler.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPI
 
 
 class _Built:
-    """Source compiled once per process, on the first `load()`; `error` says why it could not be."""
+    """Sources compiled once per process, on the first `load()`; `error` says why they could not be."""
 
-    def __init__(self, name: str, source: str, flags: list[str]) -> None:
-        self._name, self._source, self._flags = name, source, flags
+    def __init__(self, name: str, sources: list[Path], flags: list[str]) -> None:
+        self._name, self._sources, self._flags = name, [Path(s) for s in sources], flags
         self._lock = threading.Lock()
         self._loaded = False
         self.error = ""  # why it could not be built, in one line
@@ -40,7 +41,7 @@ class _Built:
             if not self._loaded:
                 self._loaded = True
                 try:
-                    self._open(_compiled(self._name, self._source, self._flags))
+                    self._open(_compiled(self._name, self._sources, self._flags))
                 except (OSError, ImportError, subprocess.SubprocessError) as error:
                     self.error = _one_line(error)
 
@@ -49,11 +50,11 @@ class _Built:
 
 
 class Library(_Built):
-    """A kernel library loaded with ctypes. `functions` names its C entry points (all returning
-    void) with their ctypes argument types."""
+    """A library loaded with ctypes. `functions` names its C entry points (all returning void) with
+    their ctypes argument types."""
 
-    def __init__(self, name: str, source: str, functions: dict[str, list], flags: list[str] = FLAGS) -> None:
-        super().__init__(name, source, flags)
+    def __init__(self, name: str, sources: list[Path], functions: dict[str, list], flags: list[str] = FLAGS) -> None:
+        super().__init__(name, sources, flags)
         self._signatures = functions
         self.functions: dict[str, ctypes._CFuncPtr] = {}
 
@@ -70,11 +71,11 @@ class Library(_Built):
 
 
 class Extension(_Built):
-    """A Python extension module (`PyInit_<name>` in `source`); `module` is None when it cannot be
-    built."""
+    """A Python extension module (`PyInit_<name>` in one of `sources`); `module` is None when it
+    cannot be built."""
 
-    def __init__(self, name: str, source: str, flags: list[str]) -> None:
-        super().__init__(name, source, flags)
+    def __init__(self, name: str, sources: list[Path], flags: list[str]) -> None:
+        super().__init__(name, sources, flags)
         self.module = None
 
     def load(self):
@@ -93,27 +94,26 @@ def _one_line(error: Exception) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
-def _compiled(name: str, source: str, flags: list[str]) -> Path:
-    """The shared library compiled from `source`; OSError or SubprocessError when it cannot be built."""
+def _compiled(name: str, sources: list[Path], flags: list[str]) -> Path:
+    """The shared library compiled from `sources`; OSError or SubprocessError when it cannot be built."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise OSError("no C++ compiler (g++ or $CXX) found")
-    key = hashlib.sha256("\0".join([source, *flags, compiler, platform.machine(), _cpu_flags()]).encode())
+    key = hashlib.sha256("\0".join([*flags, compiler, platform.machine(), _cpu_flags()]).encode())
+    for source in sorted({*sources, *(h for s in sources for h in s.parent.glob("*.h"))}):
+        key.update(source.name.encode() + b"\0" + source.read_bytes())
     folder = cache_root() / "kernels"
     library = folder / f"{name}-{key.hexdigest()[:16]}.so"
     if not library.exists():
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as staging:
-            path = os.path.join(staging, f"{name}.cpp")
-            with open(path, "w") as f:
-                f.write(source)
             built = os.path.join(staging, f"{name}.so")
-            result = subprocess.run([compiler, path, *flags, "-o", built], capture_output=True, text=True,
-                                    timeout=300, check=False)
+            result = subprocess.run([compiler, *map(str, sources), *flags, "-o", built], capture_output=True,
+                                    text=True, timeout=300, check=False)
             if result.returncode != 0:
                 lines = result.stderr.strip().splitlines() or ["?"]
-                first = next((line for line in lines if "error" in line), lines[0])
-                raise OSError(f"compiling the {name} kernel failed: {first}")
+                first = next((line for line in lines if ": error:" in line), lines[0])
+                raise OSError(f"compiling {name} failed: {first}")
             os.replace(built, library)
     return library
 

@@ -47,3 +47,22 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str, 
     assert len(error_lines) == 1, result.stderr
     for fragment in fragments:
         assert fragment in error_lines[0], error_lines[0]
+
+
+@pytest.fixture(scope="module", params=["native", "torch"])
+def backend(request) -> str:
+    """The dump backend a guarantee test runs on: each runs on both; native is skipped, with the
+    compiler's reason, where its extension cannot be built."""
+    if request.param == "native":
+        require_native()
+    return request.param
+
+
+def require_native():
+    """The native dump backend, or skip the test with the reason it cannot be built here."""
+    from pi0align.dump.native_backend import NativeBackend
+
+    loaded = NativeBackend.load()
+    if isinstance(loaded, str):
+        pytest.skip(f"the native dump backend cannot be built here: {loaded}")
+    return loaded

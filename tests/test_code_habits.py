@@ -2,11 +2,12 @@
 configuration in pyproject.toml), and the parts' layering of ../shared/DESIGN.md holds, read from
 the sources: a part imports only the parts above it in the table (anywhere in a module, deferred
 imports included), `dump` knows nothing of `pi0` and `train`, and `compare` and `report` import no
-torch when they are imported."""
+torch when they are imported; native code lives in `.cpp` files, not Python strings."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +81,11 @@ def test_ruff_finds_nothing():
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", "."],
                           capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_native_code_lives_in_source_files():
+    """No C or C++ in a Python string: native sources are `csrc/*.cpp` files, compiled where they lie."""
+    pattern = re.compile(r'^\s*#\s*include\s*[<"]', re.MULTILINE)
+    holders = sorted(str(path.relative_to(REPO)) for folder in ("pi0align", "tests", "bench", "scripts")
+                     for path in (REPO / folder).rglob("*.py") if pattern.search(path.read_text()))
+    assert not holders, f"C/C++ inside Python files: {holders}"

@@ -171,7 +171,10 @@ def test_bfloat16_tensors_stored_as_bits_are_read(tmp_path):
             del f["steps/000000/tensors/0"]
             ds = f["steps/000000"].create_dataset("tensors/0", data=(values.view(np.uint32) >> 16).astype(np.uint16))
             ds.attrs["dtype"] = "bfloat16"
-            records["dtype"][0] = "bfloat16"
+            dtypes = records["dtype"].asstr()[()].tolist()
+            dtypes[0] = "bfloat16"
+            del records["dtype"]  # short str columns are fixed-length: rewritten whole
+            records.create_dataset("dtype", data=dtypes, dtype=__import__("h5py").string_dtype())
         paths.append(path)
     row = compare_dumps(*paths).rows.query("step == 0").iloc[0]
     assert row["dtype_a"] == "bfloat16" and row["evidence"] == "tensor"

@@ -28,14 +28,15 @@ class Announcing(Dumper):
 
 out = Path(sys.argv[1])
 train(TrainConfig(preset="tiny", steps=1000, batch_size=4, threads=1, out=out / "run", progress=False, log_every=0),
-      dumper=Announcing(out / "dump", steps=None, level="mix", mode=sys.argv[2]))
+      dumper=Announcing(out / "dump", steps=None, level="mix", mode=sys.argv[2], backend=sys.argv[3]))
 """
 
 
 @pytest.mark.parametrize("mode", ["stats", "tensor"])
-def test_sigkill_during_a_dumped_step_leaves_every_earlier_step(tmp_path, mode):
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), mode], cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def test_sigkill_during_a_dumped_step_leaves_every_earlier_step(tmp_path, mode, backend):
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), mode, backend], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         for line in child.stdout:
             if line.strip() == "dumped 2":

@@ -1,6 +1,6 @@
 """Dumping does not change training: every step's loss and grad norm of LeRobot's PI0 (tiny
-preset, CPU) are bit-identical with the dumper on, at every level and in every mode, to the same
-run with it off, in the same process."""
+preset, CPU) are bit-identical with the dumper on, at every level and in every mode, on both dump
+backends, to the same run with it off, in the same process."""
 
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ def plain(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["stats", "sample", "tensor"])
 @pytest.mark.parametrize("level", ["api", "module", "mix"])
-def test_loss_and_grad_norm_are_bit_identical_with_dumping(plain, tmp_path, level, mode):
-    dumper = Dumper(tmp_path / "dump", steps=[0, 2], level=level, mode=mode)
+def test_loss_and_grad_norm_are_bit_identical_with_dumping(plain, tmp_path, level, mode, backend):
+    dumper = Dumper(tmp_path / "dump", steps=[0, 2], level=level, mode=mode, backend=backend)
     assert run(tmp_path / "run", dumper) == plain  # exact float equality, every step
     with h5py.File(dumper.file, "r") as f:
         assert list(f["steps"]) == ["000000", "000002"]
-        assert all(f[f"steps/{s}"].attrs["complete"] for s in f["steps"])
+        assert all(f[f"steps/{s}"].attrs["complete"] for s in f["steps"]) and f.attrs["backend"] == backend
         assert len(f["steps/000002/records/role"]) > 100
         assert list(f["metrics/loss"][()]) == [loss for loss, _ in plain]
     assert not torch._C._is_torch_function_mode_enabled()

@@ -9,30 +9,17 @@ import json
 
 import pytest
 import torch
-from conftest import without_compiler
 
 from pi0align import Dumper
-from pi0align.dump.kernel import KERNEL, Kernel
 from pi0align.testing.dump_helpers import read_step, reference_checksum
 
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module", params=["extension", "python"])
-def dumped(request, tmp_path_factory):
-    """Two AdamW steps dumped by the dumper's recorder: the C++ extension where it is built, or the
-    Python path (what runs without a compiler); the dump file and what its last step must hold."""
-    tmp_path = tmp_path_factory.mktemp(request.param)
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        if request.param == "extension":
-            if KERNEL.load() != "fused" or KERNEL.observer is None:
-                pytest.skip(f"the extension is not built here ({KERNEL.observer_status})")
-        else:
-            without_compiler(tmp_path, monkeypatch)
-            kernel = Kernel()
-            for module in ("stats", "dumper", "capture"):
-                monkeypatch.setattr(f"pi0align.dump.{module}.KERNEL", kernel)
-        yield _train(tmp_path / "dump", steps=2)
+@pytest.fixture(scope="module")
+def dumped(backend, tmp_path_factory):
+    """Two AdamW steps dumped on each backend; the dump file and what its last step must hold."""
+    return _train(tmp_path_factory.mktemp(backend) / "dump", steps=2, backend=backend)
 
 
 class Policy(torch.nn.Module):
@@ -54,7 +41,7 @@ def _batch(step: int) -> dict:
             "action": torch.randn(5, 2, generator=generator), "episode": [step]}
 
 
-def _train(path, steps: int, clip: float = 0.5):
+def _train(path, steps: int, backend: str, clip: float = 0.5):
     """AdamW steps with clipping, every step dumped; returns what the records must hold at the
     last step: the parameters, clipped gradients and states before and after the update."""
     torch.manual_seed(0)
@@ -62,7 +49,7 @@ def _train(path, steps: int, clip: float = 0.5):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2, eps=1e-7, weight_decay=0.1)
     seen = {}
     batches = [_batch(step) for step in range(steps)]  # made outside the steps, as a loader does
-    with Dumper(path, level="api") as dumper:
+    with Dumper(path, level="api", backend=backend) as dumper:
         dumper.start(policy, optimizer=optimizer)
         for batch in batches:
             loss = policy(batch)

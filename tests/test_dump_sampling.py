@@ -4,27 +4,28 @@ runs with different data sample the same elements; the values are those elements
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
+from conftest import require_native
 
 from pi0align import Dumper
-from pi0align.dump.sampling import sample_positions
+from pi0align.dump.file_format import sample_positions
 from pi0align.testing.dump_helpers import Net, find, read_step, train_steps
 
 torch.set_num_threads(1)
 SIZE = 5
 
 
-def dump(path, seed: int) -> tuple[dict, dict]:
+def dump(path, seed: int, backend: str) -> tuple[dict, dict]:
     torch.manual_seed(seed)
     net = Net()
     params = {name: p.detach().clone() for name, p in net.named_parameters()}
-    train_steps(net, [torch.randn(3, 4) * seed], Dumper(path, steps=[0], level="mix", mode="sample", sample_size=SIZE))
+    train_steps(net, [torch.randn(3, 4) * seed], Dumper(path, steps=[0], level="mix", mode="sample", sample_size=SIZE,
+                                                                     backend=backend))
     return read_step(path / "dump.h5", 0), params
 
 
-def test_two_runs_with_different_data_sample_the_same_positions(tmp_path):
-    (first, params), (second, _) = dump(tmp_path / "a", 1), dump(tmp_path / "b", 2)
+def test_two_runs_with_different_data_sample_the_same_positions(tmp_path, backend):
+    (first, params), (second, _) = dump(tmp_path / "a", 1, backend), dump(tmp_path / "b", 2, backend)
     assert first["calls"]["name"] == second["calls"]["name"]
     assert np.array_equal(first["samples"]["positions"], second["samples"]["positions"])
     assert first["samples"]["positions"].dtype == np.int32  # every tensor here has fewer than 2**31 elements
@@ -54,23 +55,13 @@ def test_positions_change_with_name_role_argument_and_shape():
         assert not np.array_equal(base, sample_positions(*other, SIZE))
 
 
-def test_torch_op_path_samples_the_same_values_as_the_kernel(tmp_path, monkeypatch):
-    """Without a compiler the samples are gathered by torch ops, as on an accelerator."""
-    from conftest import without_compiler
-
-    from pi0align.dump.kernel import KERNEL, Kernel
-
-    if KERNEL.load() != "fused":
-        pytest.skip(f"no fused kernel here ({KERNEL.status})")
-    fused, _ = dump(tmp_path / "fused", 1)
-    without_compiler(tmp_path, monkeypatch)
-    kernel = Kernel()
-    for module in ("stats", "dumper", "sampling", "capture"):
-        monkeypatch.setattr(f"pi0align.dump.{module}.KERNEL", kernel)
-    torch_ops, _ = dump(tmp_path / "torch", 1)
-    assert kernel.status.startswith("torch ops:")
-    assert np.array_equal(fused["samples"]["positions"], torch_ops["samples"]["positions"])
-    assert np.array_equal(fused["samples"]["values"], torch_ops["samples"]["values"], equal_nan=True)
+def test_the_native_gather_samples_what_torch_indexing_samples(tmp_path):
+    """The native kernel's gather on the CPU; torch indexing what an accelerator runs."""
+    require_native()
+    reference, _ = dump(tmp_path / "torch", 1, "torch")
+    dumped, _ = dump(tmp_path / "native", 1, "native")
+    assert np.array_equal(dumped["samples"]["positions"], reference["samples"]["positions"])
+    assert np.array_equal(dumped["samples"]["values"], reference["samples"]["values"], equal_nan=True)
 
 
 def test_positions_are_int64_only_in_a_step_with_a_tensor_of_2_to_the_31_elements():

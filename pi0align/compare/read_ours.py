@@ -18,13 +18,13 @@ from pi0align.compare.records import (
     no_records,
 )
 from pi0align.compare.table import Table, lookup
+from pi0align.dump.file_format import CALL_TYPES, FORMAT, RECORD_TYPES, step_group
+from pi0align.dump.file_format import VERSION as SUPPORTED_VERSION
 from pi0align.errors import UserError
 
-FORMAT = "pi0align-dump"
-SUPPORTED_VERSION = 1
-_CALL_COLUMNS = ["call_id", "seq", "name", "module", "api", "direction", "stack_id"]
-_RECORD_COLUMNS = ["call_id", "role", "arg_index", "dtype", "shape", "numel", "min", "max", "mean", "norm",
-                   "nan_count", "inf_count", "tensor", "sample_count", "checksum"]
+# What compare reads at once: calls' arguments are read when asked for, records' skip reasons never.
+_CALL_COLUMNS = [c for c in CALL_TYPES if c != "args"]
+_RECORD_COLUMNS = [c for c in RECORD_TYPES if c != "skipped"]
 
 
 def is_pi0align_file(path: Path) -> bool:
@@ -87,22 +87,22 @@ def _read(f: h5py.File, path: Path, steps: set[int] | None) -> Dump:
             folder, _, name = tensor.rpartition("/")
             group = groups.get((step, folder))
             if group is None:
-                step_group = f["steps"][f"{step:06d}"]
-                group = groups[(step, folder)] = step_group[folder] if folder else step_group
+                step_tables = f[step_group(step)]
+                group = groups[(step, folder)] = step_tables[folder] if folder else step_tables
             ds = group[name]
             bfloat16 = _text(ds.attrs.get("dtype", "")) == "bfloat16"
             found = datasets[(step, tensor)] = Bfloat16Array(ds) if bfloat16 else ds
         return found
 
     def sample_reader(step: int) -> tuple[np.ndarray, np.ndarray]:
-        samples = f["steps"][f"{step:06d}"]["samples"]
+        samples = f[step_group(step)]["samples"]
         return samples["values"][()], samples["positions"][()]
 
     args_of_step: dict[int, np.ndarray] = {}
 
     def args_reader(step: int, call: int) -> str:
         if step not in args_of_step:
-            args_of_step[step] = _column(f["steps"][f"{step:06d}"]["calls"], "args")  # indexed by call_id
+            args_of_step[step] = _column(f[step_group(step)]["calls"], "args")  # indexed by call_id
         return str(args_of_step[step][call])
 
     return Dump(source=str(path), mode=_text(f.attrs.get("mode", "stats")), rank=rank,

@@ -13,8 +13,8 @@ _MAX_REPR = 200
 
 
 def tensors_of(*values) -> list[torch.Tensor]:
-    """Every tensor in `values`, depth-first through tuples, lists and mappings (observer.py has
-    the same in C++)."""
+    """Every tensor in `values`, depth-first through tuples, lists and mappings (the native
+    backend has the same in C++: csrc/capture_extension.cpp)."""
     out: list[torch.Tensor] = []
     for value in values:
         _flatten(value, out)

@@ -1,12 +1,11 @@
-"""Backward capture that observes autograd without changing it.
+"""The torch backend's backward capture, which observes autograd without changing it.
 
 `register_full_backward_hook` wraps tensors in extra identity nodes, which reorders gradient
 accumulation and changes gradients at rounding level. Here nothing is added to the graph: hooks
 go on the autograd nodes a call created, and report the gradients those nodes receive (flowing
 into the call's outputs) and produce (flowing out of the call to its inputs).
 
-`observer.py` holds the same `input_edges` and `watch` in C++ (the dumper's usual path); these
-are the fallback where it cannot be built.
+`csrc/capture_extension.cpp` holds the same `input_edges` and `watch` for the native backend.
 """
 
 from __future__ import annotations
@@ -82,18 +81,19 @@ def _node_hook(outs: list, ins: list, sink: Sink):
     return hook
 
 
-def sink(log, name: str, forward_id: int) -> Sink:
-    """Records each gradient of the forward call `forward_id` (named `name`) into `log` (a StepLog)
-    until its step has ended; the call's backward row opens at the first gradient."""
+def sink(records, name: str, forward_id: int, open_backward: Callable[[int], int]) -> Sink:
+    """Records each gradient of the forward call `forward_id` (named `name`) into `records` (the
+    step's TorchRecords) until its step has ended; the call's backward row opens, through
+    `open_backward(forward_id)`, at the first gradient."""
     backward_id = None
 
     def record(role: str, arg_index: int, grad: torch.Tensor) -> None:
         nonlocal backward_id
-        if log.closed:
+        if records.closed:
             return  # a graph kept past its step (retain_graph) or past stop()
         if backward_id is None:
-            backward_id = log.open_backward(forward_id)
-        log.add_tensor(backward_id, name, role, arg_index, grad)
+            backward_id = open_backward(forward_id)
+        records.record(backward_id, name, role, arg_index, [grad])
 
     return record
 

@@ -9,9 +9,8 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pi0align.dump import backward
-from pi0align.dump.arguments import describe_arguments, named_tensors, tensors_of
-from pi0align.dump.kernel import KERNEL
+from pi0align.dump.arguments import describe_arguments, named_tensors
+from pi0align.dump.backend import Backend
 from pi0align.dump.naming import ApiNames, Namer, is_inplace
 from pi0align.dump.optimizer import OptimizerRecorder
 from pi0align.dump.stacks import Stacks
@@ -22,17 +21,11 @@ _BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad
 _quiet = torch._C.DisableTorchFunction  # the dumper's own tensor work is never captured
 
 
-def extension():
-    """The dump's C++ extension (observer.py): its hooks and the step's recorder; None where it is
-    not built, and backward.py's hooks and StepLog's Python records run."""
-    KERNEL.load()
-    return KERNEL.observer
-
-
 class Capture:
-    """Everything installed on a model during dumped steps; records into the current StepLog."""
+    """Everything installed on a model during dumped steps; records into the current StepLog
+    through `backend`'s hooks."""
 
-    def __init__(self, level: str, selected: Filter) -> None:
+    def __init__(self, level: str, selected: Filter, backend: Backend) -> None:
         self.level = level
         self.selected = selected
         self.api_names = ApiNames()
@@ -63,11 +56,9 @@ class Capture:
         self._grad_hooks: dict[str, object] = {}  # parameter name -> its gradient hook
         self._param_calls: dict[int, int] | None = None  # id(param) -> its call, once the step read them
         self._grad_rows: dict[int, int] = {}  # id(param) -> its latest gradient record's row
-        self.native = extension()
-        hooks = backward if self.native is None else self.native
-        self._input_edges, self._watch = hooks.input_edges, hooks.watch
-        self._watch_tensor_grads = hooks.watch_tensor_grads
-        self._tensors_of = tensors_of if self.native is None else self.native.tensors_of
+        self._input_edges, self._watch = backend.input_edges, backend.watch
+        self._watch_tensor_grads = backend.watch_tensor_grads
+        self._tensors_of = backend.tensors_of
 
     @property
     def installed(self) -> bool:
@@ -140,7 +131,7 @@ class Capture:
         """Nothing is recorded from here until the model's next forward (gradient accumulation) or
         the next step."""
         self.after_backward = True
-        self.log.stats.drain()  # clipping and the optimizer change gradients in place next
+        self.log.records.drain()  # clipping and the optimizer change gradients in place next
 
     def _resume(self) -> None:
         """Record again: a forward begins."""
@@ -205,7 +196,6 @@ class Capture:
 
     def begin_step(self, log: StepLog) -> None:
         self.log = log
-        self._open_backward = log.open_backward  # one bound method for every hook of the step
         self._resume()
         self.namer.reset()
         self._param_calls = None
@@ -279,7 +269,7 @@ class Capture:
                 return self._run(func, args, kwargs)
             self.log.add_tensors(opened[0], opened[1], "input", inputs)
             edges = self._input_edges(inputs) if torch.is_grad_enabled() else None
-            self.log.stats.drain()  # statistics still queued may be of the tensor about to change
+            self.log.records.before_change(inputs)  # statistics still queued may be of a tensor about to change
             result = self._run(func, args, kwargs)
             outputs = self._tensors_of(result) or inputs[:1]
         else:
@@ -295,7 +285,7 @@ class Capture:
         call_id, name = opened
         self.log.add_tensors(call_id, name, "output", outputs)
         if edges or any(o.requires_grad for o in outputs):
-            self._watch(outputs, edges, self._grad_sink(call_id, name))
+            self._watch(outputs, edges, self.log.grad_sink(call_id, name))
         return result
 
     def _run(self, func, args: tuple, kwargs: dict):
@@ -318,7 +308,7 @@ class Capture:
                     call_id, name = opened
                     inputs = self._tensors_of(args, kwargs)
                     self.log.add_tensors(call_id, name, "input", inputs)
-                    opened = (call_id, name, self._grad_sink(call_id, name))
+                    opened = (call_id, name, self.log.grad_sink(call_id, name))
                     self._watch_tensor_grads(inputs, "grad_input", opened[2])
         self._open_modules.append(opened)
 
@@ -335,12 +325,6 @@ class Capture:
                 self._watch(outputs, None, sink)
 
     # ---- backward ------------------------------------------------------------------------------
-
-    def _grad_sink(self, forward_id: int, name: str):
-        """Where the gradients of one forward call go; its backward row opens when the first arrives."""
-        if self.native is not None:
-            return self.native.backward_call(self.log.recorder, name, self._open_backward, forward_id)
-        return backward.sink(self.log, name, forward_id)
 
     def _grad_hook(self, name: str):
         record_name = f"{name}/Parameter#0"

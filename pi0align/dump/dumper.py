@@ -12,13 +12,12 @@ from pathlib import Path
 import torch
 
 from pi0align.dump import file_format
+from pi0align.dump.backend import choose_backend
 from pi0align.dump.capture import LEVELS, Capture
 from pi0align.dump.file_format import WRITE_ERRORS
-from pi0align.dump.kernel import KERNEL
 from pi0align.dump.manifest import build_manifest
 from pi0align.dump.perturb import UlpPerturbation
 from pi0align.dump.sampling import Sampler
-from pi0align.dump.stats import ChecksumWeights, StatsWorker
 from pi0align.dump.steplog import Filter, StepLog
 from pi0align.dump.writer import DumpWriter
 from pi0align.errors import UserError
@@ -51,12 +50,15 @@ class Dumper:
         floating result of every torch call (and the gradient flowing back into it) is moved by up
         to this many ulps at random, drawn from a generator seeded with `perturb_seed`
         (`perturb.py`; `pi0align compare A B --noise REF`). Not a training run to keep.
+    backend: "native" (the C++ extension: hooks, records and CPU statistics), "torch" (torch ops
+        only: the reference, and what accelerators run) or "auto" (native where it builds); stored
+        in the file with why (`backend`, `backend_status`).
     """
 
     def __init__(self, path: str | os.PathLike, steps: Iterable[int] | None = None, level: str = "mix",
                  mode: str = "stats", ranks: Iterable[int] | None = None, include: list[str] | None = None,
                  exclude: list[str] | None = None, sample_size: int = 256, manifest: dict | None = None,
-                 compress: bool = True, perturb_ulps: int = 0, perturb_seed: int = 0) -> None:
+                 compress: bool = True, perturb_ulps: int = 0, perturb_seed: int = 0, backend: str = "auto") -> None:
         if level not in LEVELS:
             raise UserError(f"dump level must be one of {', '.join(LEVELS)}, not {level!r}")
         if mode not in MODES:
@@ -83,15 +85,13 @@ class Dumper:
         self._writer: DumpWriter | None = None  # between the first start() and close()
         self._tensors_file: str | None = None  # this step's tensor file (tensor mode)
         self._capture: Capture | None = None
-        self._weights = ChecksumWeights()
-        # CPU statistics and samples off the training thread only where every in-place call is
-        # seen (api, mix): a queued tensor must not change before they are taken. The fused
-        # kernel has a thread of its own; the torch-op path gets a Python one.
-        off_thread = level != "module"
-        fused = KERNEL.load() == "fused"
-        self._worker = StatsWorker(self._weights) if off_thread and not fused else None
-        self._queued = off_thread and fused
-        self._sampler = Sampler(sample_size, self._queued) if mode == "sample" else None
+        self.backend = choose_backend(backend)
+        # Statistics and samples may wait (the native kernel's thread, the torch backend's batches)
+        # only where every in-place call is seen (api, mix): a queued tensor must not change
+        # before they are taken.
+        self._in_place_seen = level != "module"
+        self._sampler = (Sampler(sample_size, self.backend.host_gather, self._in_place_seen) if mode == "sample"
+                         else None)
         self._metrics: list[tuple] = []
         self._started = False
         self._rank, self._world_size = _rank_and_world_size()  # again at start(): after init_process_group
@@ -170,9 +170,6 @@ class Dumper:
             writer, self._writer = self._writer, None
             with self._write_errors():
                 writer.close()
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
 
     def record_metrics(self, step: int, loss: float, grad_norm: float | None = None, lr: float | None = None) -> None:
         """Log one training step's loss, gradient norm and learning rate (dumped step or not);
@@ -195,7 +192,7 @@ class Dumper:
                 attrs = {
                     "rank": self._rank, "world_size": self._world_size, "mode": self.mode, "level": self.level,
                     "sample_size": self.sample_size if self.mode == "sample" else 0,
-                    "cpu_stats": KERNEL.status, "observer": KERNEL.observer_status,
+                    "backend": self.backend.name, "backend_status": self.backend.status,
                 }
                 manifest = {**(self._manifest or {}), "perturb_ulps": self.perturb_ulps}
                 file_format.create(self.file, attrs,
@@ -214,7 +211,7 @@ class Dumper:
             self._uninstall()
             return
         if self._capture is None:
-            self._capture = Capture(self.level, self._filter)
+            self._capture = Capture(self.level, self._filter, self.backend)
         if not self._capture.installed:
             self._capture.install(self._model, self._optimizer)
         if self._capture.log is None:
@@ -222,8 +219,7 @@ class Dumper:
             if self.mode == "tensor":
                 self._tensors_file = self._writer.begin_step(self._step)
                 sink = self._writer.put
-            log = StepLog(self._step, self._weights, self._sampler, sink, self._worker, self._queued,
-                          self._capture.native)
+            log = StepLog(self._step, self.backend.records(self._in_place_seen, sink, self._sampler), self._sampler)
             self._capture.begin_step(log)
 
     def _uninstall(self) -> None:

@@ -6,6 +6,7 @@ process (writer_process.py) runs it."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import resource
@@ -19,22 +20,53 @@ from h5py import h5d, h5s, h5t
 FORMAT = "pi0align-dump"
 VERSION = 1
 
-_STR = h5py.string_dtype("utf-8")
+STR = h5py.string_dtype("utf-8")
 CALL_TYPES = {
-    "call_id": np.int32, "seq": np.int64, "name": _STR, "module": _STR, "api": _STR,
-    "direction": _STR, "stack_id": np.int32, "args": _STR,
+    "call_id": np.int32, "seq": np.int64, "name": STR, "module": STR, "api": STR,
+    "direction": STR, "stack_id": np.int32, "args": STR,
 }
 RECORD_TYPES = {
-    "call_id": np.int32, "role": _STR, "arg_index": np.int32, "dtype": _STR, "shape": _STR,
+    "call_id": np.int32, "role": STR, "arg_index": np.int32, "dtype": STR, "shape": STR,
     "numel": np.int64, "min": np.float64, "max": np.float64, "mean": np.float64, "norm": np.float64,
     "nan_count": np.int64, "inf_count": np.int64, "checksum": np.int64, "sample_count": np.int32,
-    "tensor": _STR, "skipped": _STR,
+    "tensor": STR, "skipped": STR,
 }
 METRIC_TYPES = {"step": np.int64, "loss": np.float64, "grad_norm": np.float64, "lr": np.float64}
 
 
+def checksum(elements: np.ndarray) -> int:
+    """The records' `checksum` of an array in row-major order: Σ bits × (position + 1), the bits of
+    each element read as an integer of its width (unsigned for 1 byte, signed for 2, 4 and 8),
+    wrapping at 32 bits (64 for 8-byte elements), sign-extended. The dump backends compute the same
+    on the device; the test factory and tests use this one."""
+    flat = np.ascontiguousarray(elements).reshape(-1)
+    width = flat.itemsize
+    bits = flat.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[width]).astype(np.int64).view(np.uint64)
+    total = int(np.sum(bits * np.arange(1, flat.size + 1, dtype=np.uint64), dtype=np.uint64))  # wraps at 2^64
+    modulus = 1 << (64 if width == 8 else 32)
+    total %= modulus
+    return total - modulus if total >= modulus // 2 else total
+
+
+def sample_positions(name: str, role: str, arg_index: int, shape: tuple[int, ...], size: int) -> np.ndarray:
+    """Sample mode's sorted flat (row-major) positions, which depend only on a record's name, role,
+    argument index and shape, so that two runs on two devices sample the same elements: every
+    element when there are at most `size`."""
+    numel = int(np.prod(shape, dtype=np.int64))
+    if numel <= size:
+        return np.arange(numel, dtype=np.int64)
+    key = f"{name}|{role}|{arg_index}|{list(shape)}".encode()
+    seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+    return np.sort(np.random.default_rng(seed).choice(numel, size=size, replace=False)).astype(np.int64)
+
+
 def step_group(step: int) -> str:
     return f"steps/{step:06d}"
+
+
+def tensors_file(dump: Path, step: int) -> str:
+    """Where a step's full tensors go (tensor mode), relative to the dump file's folder."""
+    return f"{dump.name}.tensors/{step:06d}.h5"
 
 
 @dataclass
@@ -52,11 +84,11 @@ def create(path: Path, attrs: dict, manifest: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with h5py.File(path, "w") as f:
         f.attrs.update({"format": FORMAT, "version": VERSION, **attrs})
-        f.create_dataset("manifest", data=json.dumps(manifest, default=repr), dtype=_STR)
+        f.create_dataset("manifest", data=json.dumps(manifest, default=repr), dtype=STR)
         for column, dtype in METRIC_TYPES.items():
             f.create_dataset(f"metrics/{column}", shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
         f.create_dataset("stacks/stack_id", shape=(0,), maxshape=(None,), dtype=np.int32, chunks=(256,))
-        f.create_dataset("stacks/frames", shape=(0,), maxshape=(None,), dtype=_STR, chunks=(256,))
+        f.create_dataset("stacks/frames", shape=(0,), maxshape=(None,), dtype=STR, chunks=(256,))
 
 
 def append(path: Path, tables: StepTables | None, stacks: list[tuple[int, str]], metrics: list[tuple],
@@ -99,7 +131,7 @@ def _column_bytes(values: np.ndarray) -> int:
 def _append(dataset: h5py.Dataset, values: list) -> None:
     start = dataset.shape[0]
     dataset.resize((start + len(values),))
-    dataset[start:] = np.asarray(values, dtype=object if dataset.dtype == _STR else dataset.dtype)
+    dataset[start:] = np.asarray(values, dtype=object if dataset.dtype == STR else dataset.dtype)
 
 
 def _write_step(f: h5py.File, tables: StepTables, tensors_file: str | None) -> None:
@@ -129,10 +161,10 @@ def _create_column(group: h5py.Group, name: str, values: np.ndarray, dtype) -> N
     (two dozen columns a step). Short ASCII str columns (roles, dtypes, shapes, ...) are stored as
     fixed-length strings: HDF5 copies them, where each variable-length one is converted alone."""
     memory_type = None
-    if dtype is _STR:
+    if dtype is STR:
         data = _fixed_length(values)
         if data is None:
-            data, file_type = np.asarray(values, dtype=object), h5t.py_create(_STR, logical=True)
+            data, file_type = np.asarray(values, dtype=object), h5t.py_create(STR, logical=True)
         else:
             file_type = memory_type = h5t.py_create(data.dtype)
             file_type.set_cset(h5t.CSET_UTF8)

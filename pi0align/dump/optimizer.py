@@ -78,7 +78,7 @@ class OptimizerRecorder:
                     for index, (_, tensor) in enumerate(state, start=2):
                         log.add_tensor(call, name, "input", index, tensor)
                     self._open.append((call, name, param, group))
-            log.stats.drain()  # the update writes into these tensors next
+            log.records.drain()  # the update writes into these tensors next
 
     def _after(self, optimizer, args, kwargs) -> None:
         log, opened, self._open = self._log(), self._open, []

@@ -3,35 +3,24 @@ so that two runs on two devices sample the same elements."""
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import torch
 
-from pi0align.dump.kernel import KERNEL
-
-
-def sample_positions(name: str, role: str, arg_index: int, shape: tuple[int, ...], size: int) -> np.ndarray:
-    """Sorted flat (row-major) positions: every element when there are at most `size`."""
-    numel = int(np.prod(shape, dtype=np.int64))
-    if numel <= size:
-        return np.arange(numel, dtype=np.int64)
-    key = f"{name}|{role}|{arg_index}|{list(shape)}".encode()
-    seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
-    return np.sort(np.random.default_rng(seed).choice(numel, size=size, replace=False)).astype(np.int64)
-
+from pi0align.dump.file_format import sample_positions
 
 _INT32_MAX = 2**31 - 1
 
 
 class Sampler:
-    """Gathers the sampled elements of captured tensors (CPU ones with the fused kernel, straight
-    into a host table, others on their device, both without copying views); positions and memory
-    offsets are computed once per record name and layout, the positions kept as rows of one table."""
+    """Gathers the sampled elements of captured tensors (those the backend's `host_gather` takes
+    straight into a host table, others with torch indexing on their device, both without copying
+    views); positions and memory offsets are computed once per record name and layout, the
+    positions kept as rows of one table."""
 
-    def __init__(self, size: int, queued: bool = False) -> None:
+    def __init__(self, size: int, host_gather=None, queued: bool = False) -> None:
         self.size = size
-        self.queued = queued  # gathered on the fused kernel's thread: values ready after KERNEL.wait()
+        self._host_gather = host_gather if host_gather is not None else _NoHostGather()
+        self.queued = queued  # gathered on the native kernel's thread: values ready after its wait()
         # -> (row of the positions table, count, memory offsets, their address, offsets on the device or None, wide)
         self._cache: dict[tuple, tuple] = {}
         # Positions, -1-padded to `size`: row 0 all -1 (records without a sample), then one row per
@@ -57,7 +46,8 @@ class Sampler:
                 self._grow(row + 2)
             if count < self.size:
                 self._host[row, count:] = np.nan  # the kernel writes the first `count`
-            KERNEL.gather(tensor, offsets_at, count, self._host_at + self._host.strides[0] * row, self.queued)
+            self._host_gather.gather(tensor, offsets_at, count, self._host_at + self._host.strides[0] * row,
+                                     self.queued)
         else:
             memory = tensor.detach().as_strided((_extent(tensor),), (1,))  # the elements' span, views not copied
             self._on_device[row] = memory.index_select(0, on_device).to(torch.float64)
@@ -78,12 +68,12 @@ class Sampler:
             table[:row] = self._position_table[:row]
             self._position_table = table
         self._position_table[row, : len(positions)] = positions
-        on_device = None if KERNEL.supports(tensor) else torch.from_numpy(offsets).to(tensor.device)
+        on_device = None if self._host_gather.takes(tensor) else torch.from_numpy(offsets).to(tensor.device)
         return row, len(positions), offsets, offsets.ctypes.data, on_device, wide
 
     def _grow(self, needed: int) -> None:
         """At least twice the host table's rows, once the queued gathers into it have run."""
-        KERNEL.wait()
+        self._host_gather.wait()
         host = np.full((max(256, needed, 2 * len(self._host)), self.size), np.nan)
         host[: len(self._host)] = self._host
         self._host, self._host_at = host, host.ctypes.data
@@ -91,7 +81,7 @@ class Sampler:
     def collect(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For queued rows `rows` (-1: none), (values [n, size] NaN-padded, positions [n, size]
         -1-padded, counts [n]); one copy to the host per device, and the queue is emptied."""
-        KERNEL.wait()
+        self._host_gather.wait()
         queued = len(self._position_rows)
         if queued + 1 > len(self._host):
             self._grow(queued + 1)
@@ -115,6 +105,17 @@ class Sampler:
         counts = np.array([*self._counts, 0], dtype=np.int32)[take]
         self._on_device, self._position_rows, self._counts, self._wide_rows = {}, [], [], 0
         return values, positions, counts
+
+
+class _NoHostGather:
+    """The torch backend's: every sample is taken with torch indexing."""
+
+    @staticmethod
+    def takes(tensor: torch.Tensor) -> bool:
+        return False
+
+    def wait(self) -> None:
+        pass
 
 
 def _memory_offsets(positions: np.ndarray, tensor: torch.Tensor) -> np.ndarray:

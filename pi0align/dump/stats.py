@@ -1,27 +1,26 @@
-"""Statistics of captured tensors, computed on the tensor's own device and read back once per step.
+"""Statistics of captured tensors with torch ops, batched: the torch backend's (and the native
+backend's for tensors its kernel does not take, such as accelerator tensors).
 
-`StatsBatch.add` queues a handful of reductions per tensor and returns a slot; `collect` stacks
-every slot's results and copies them to the host in one transfer per device. Nothing here reads a
-value back per tensor on an accelerator. On the CPU the fused kernel (`kernel.py`) reads each
-tensor once, on the kernel's own thread when the capture sees every in-place call, and writes
-host values; where it cannot run, torch ops do the work, one finiteness check picking the cheap
-unmasked path for the (usual) tensors without NaN or Inf, and a `StatsWorker` thread can take
-that work off the training thread.
+`BatchedStatistics.add` only queues a tensor. At `flush` (before an in-place call could change a
+queued tensor, after backward, at the step's end, or once enough is queued) the queued tensors of
+one device and dtype are reduced together: one concatenation, then multi-tensor (`torch._foreach_*`)
+reductions over views of it and prefix sums for the integer counts and the checksum, about thirty
+ops for the whole group instead of a dozen per tensor. Results stay on the device until `collect`,
+one copy per device. Nothing reads a value back per tensor or per flush.
 """
 
 from __future__ import annotations
 
 import math
-import queue
-import threading
 
 import numpy as np
 import torch
 
-from pi0align.dump.kernel import KERNEL
-
-_COLUMNS = 4096  # the checksum's matrix view: any width gives the same checksum; this one is fastest on CPU
 _BITS_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# A flush once this much is queued: queued tensors stay alive until then.
+_FLUSH_ELEMENTS = 1 << 22
+_FLUSH_TENSORS = 4096
+_WINDOW = 1 << 20  # elements of the integer sums' prefix sums at a time
 
 
 def skip_reason(tensor: torch.Tensor) -> str:
@@ -41,237 +40,135 @@ def skip_reason(tensor: torch.Tensor) -> str:
     return ""
 
 
-def stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype statistics are computed in: float32 for float32 and narrower floats, else float64."""
-    return torch.float32 if dtype.is_floating_point and dtype.itemsize <= 4 else torch.float64
+def stats_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype statistics are computed in: float64, except float32 for float32 and narrower
+    floats on accelerators (where float64 is slow or missing). The CPU's float32 norm sums in order,
+    off by 1e-5 of the norm at a million elements; its float64 costs little."""
+    narrow = dtype.is_floating_point and dtype.itemsize <= 4 and device.type != "cpu"
+    return torch.float32 if narrow else torch.float64
 
 
-class ChecksumWeights:
-    """Cached position ramps 0, 1, 2, … per device and integer dtype, grown geometrically."""
+class BatchedStatistics:
+    """Statistics of the tensors of one step, by slot. `in_place_seen`: the caller sees every
+    in-place call and calls `before_change` first, so a queued tensor cannot change unseen;
+    otherwise a copy is queued (1 op), and a tensor too large to copy is reduced at once."""
 
-    def __init__(self) -> None:
-        self._cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+    def __init__(self, in_place_seen: bool) -> None:
+        self._in_place_seen = in_place_seen
+        self._pending: list[tuple[int, torch.Tensor]] = []
+        self._pending_elements = 0
+        self._pending_storages: set[int] = set()
+        self._done: list[tuple[np.ndarray, torch.Tensor, torch.Tensor]] = []  # (slots, floats [k, 4], ints [k, 3])
+        self._ramps: dict[torch.device, torch.Tensor] = {}  # 1, 2, 3, … as int64, per device
 
-    def get(self, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        ramp = self._cache.get((device, dtype))
+    def add(self, tensor: torch.Tensor, slot: int) -> None:
+        """Queue the statistics of a tensor that `skip_reason` accepts, into `slot`."""
+        tensor = tensor.detach()
+        large = tensor.numel() >= _FLUSH_ELEMENTS
+        if not self._in_place_seen and not large:
+            tensor = tensor.clone()
+        self._pending.append((slot, tensor))
+        self._pending_elements += tensor.numel()
+        self._pending_storages.add(_storage(tensor))
+        if large or self._pending_elements >= _FLUSH_ELEMENTS or len(self._pending) >= _FLUSH_TENSORS:
+            self.flush()
+
+    def before_change(self, tensors: list[torch.Tensor]) -> None:
+        """`tensors` are about to change in place: reduce what is queued if any of it shares their memory."""
+        if self._pending and any(_storage(t) in self._pending_storages for t in tensors):
+            self.flush()
+
+    def flush(self) -> None:
+        """Reduce everything queued, one group per device and dtype."""
+        groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+        for slot, tensor in self._pending:
+            groups.setdefault((tensor.device, tensor.dtype), []).append((slot, tensor))
+        self._pending, self._pending_elements, self._pending_storages = [], 0, set()
+        for members in groups.values():
+            slots = np.array([slot for slot, _ in members], dtype=np.int64)
+            self._done.append((slots, *self._reduce([tensor for _, tensor in members])))
+
+    def collect(self, floats: np.ndarray, ints: np.ndarray) -> None:
+        """Write the slots' min, max, sum, sum of squares of the finite elements into `floats` [n, 4]
+        and NaN count, Inf count, checksum into `ints` [n, 3]; one copy per device."""
+        self.flush()
+        by_device: dict[torch.device, list] = {}
+        for done in self._done:
+            by_device.setdefault(done[1].device, []).append(done)
+        for done in by_device.values():
+            slots = np.concatenate([d[0] for d in done])
+            floats[slots] = torch.cat([d[1] for d in done]).cpu().double().numpy()
+            floats[slots, 3] **= 2
+            ints[slots] = torch.cat([d[2] for d in done]).cpu().numpy()
+        self._done = []
+
+    def _reduce(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(min, max, sum, norm of the finite elements [k, 4], NaN count, Inf count, checksum [k, 3]),
+        on the tensors' device, of tensors of one device and dtype."""
+        flats = [t.reshape(-1) for t in tensors]
+        lengths = [f.numel() for f in flats]
+        flat = torch.cat(flats) if len(flats) > 1 else flats[0]
+        if flat.dtype == torch.bool:
+            flat = flat.view(torch.uint8)
+        acc = stats_dtype(flat.dtype, flat.device)
+        values = flat if flat.dtype == acc else flat.to(acc)
+        finite = values.isfinite()
+        masked = values.where(finite, 0).split(lengths)
+        lowest = values.where(finite, math.inf).neg_().split(lengths)
+        highest = values.where(finite, -math.inf).split(lengths)
+        lo = torch.stack(torch._foreach_max(lowest)).neg_()
+        hi = torch.stack(torch._foreach_max(highest))
+        total = (torch.stack(torch._foreach_norm(torch._foreach_clamp_min(masked, 0), 1))
+                 - torch.stack(torch._foreach_norm(torch._foreach_clamp_max(masked, 0), 1)))
+        norm = torch.stack(torch._foreach_norm(masked, 2))  # squared on the host: no float32 overflow
+        floats = torch.stack([lo, hi, total, norm], 1)
+        # unsigned for one byte, sign-extended for two, four and eight (docs/dump-format.md)
+        bits = flat.view(_BITS_VIEW[flat.element_size()])
+        sums = self._integer_sums(values.isnan(), finite, bits, lengths)
+        starts = torch.tensor(np.cumsum([0, *lengths[:-1]]), device=flat.device)
+        checksum = sums[3] - starts * sums[2]  # positions counted from each tensor's first element
+        if flat.element_size() <= 4:
+            checksum = ((checksum & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000  # 32-bit, sign-extended
+        ints = torch.stack([sums[0], sums[1] - sums[0], checksum], 1)
+        return floats, ints
+
+    def _integer_sums(self, nan: torch.Tensor, finite: torch.Tensor, bits: torch.Tensor,
+                      lengths: list[int]) -> torch.Tensor:
+        """[4, k] int64: per tensor, its NaN count, non-finite count, Σ bits and Σ bits × (position in
+        the concatenation + 1), as differences of prefix sums (int64 wraps alike in any order), one
+        window of the concatenation at a time: its int64 rows take 64 bytes an element."""
+        bounds = np.cumsum([0, *lengths])
+        sums = bits.new_zeros((4, len(lengths)), dtype=torch.int64)
+        for first in range(0, int(bounds[-1]), _WINDOW):
+            last = min(first + _WINDOW, int(bounds[-1]))
+            window = slice(first, last)
+            wide = bits[window].to(torch.int64)
+            rows = torch.stack([nan[window].to(torch.int64), finite[window].logical_not().to(torch.int64), wide,
+                                wide * self._ramp(last, bits.device)[window]])
+            # the tensors in the window, and where each one's part of it ends
+            inside = slice(int(np.searchsorted(bounds, first, "right")) - 1, int(np.searchsorted(bounds, last, "left")))
+            ends = torch.tensor(np.minimum(bounds[1:][inside], last) - 1 - first, device=bits.device)
+            sums[:, inside] += rows.cumsum(1).index_select(1, ends).diff(dim=1, prepend=rows.new_zeros(4, 1))
+        return sums
+
+    def _ramp(self, length: int, device: torch.device) -> torch.Tensor:
+        """1, 2, …, length as int64 on `device`, from a cache grown geometrically."""
+        ramp = self._ramps.get(device)
         if ramp is None or ramp.numel() < length:
-            size = max(length, _COLUMNS, 2 * (ramp.numel() if ramp is not None else 0))
-            ramp = self._cache[(device, dtype)] = torch.arange(size, dtype=dtype, device=device)
+            size = max(length, 1 << 16, 2 * (ramp.numel() if ramp is not None else 0))
+            ramp = self._ramps[device] = torch.arange(1, size + 1, dtype=torch.int64, device=device)
         return ramp[:length]
 
 
-def checksum(flat: torch.Tensor, ramps: ChecksumWeights) -> torch.Tensor:
-    """Σ bits[i] × (i + 1) over a flat tensor (docs/dump-format.md); 0-d, on its device.
-
-    Integer arithmetic wraps the same way in any order, so equal bits give an equal checksum on
-    any device whatever its reduction order. Seen as a matrix of `_COLUMNS` columns, position
-    i = r·C + c, so the sum is C·Σ_r r·rowsum_r + Σ_c c·colsum_c + Σ all: two cheap reductions
-    instead of a product per element.
-    """
-    size = flat.element_size()
-    bits = flat.view(_BITS_VIEW[size])
-    dtype = torch.int64 if size == 8 else torch.int32
-    if size < 4:
-        bits = bits.to(dtype)
-    rows = bits.numel() // _COLUMNS
-    tail = bits[rows * _COLUMNS :]
-    total = _dot(tail, ramps.get(tail.numel(), bits.device, dtype)) + tail.sum(dtype=dtype) * (rows * _COLUMNS + 1)
-    if rows:
-        matrix = bits[: rows * _COLUMNS].view(rows, _COLUMNS)
-        row_sums = matrix.sum(1, dtype=dtype)
-        by_row = _dot(row_sums, ramps.get(rows, bits.device, dtype))
-        by_column = (_dot(matrix.sum(0, dtype=dtype), ramps.get(_COLUMNS, bits.device, dtype))
-                     + row_sums.sum(dtype=dtype))
-        total = total + by_row * _COLUMNS + by_column
-    return total
+def finish_statistics(floats: np.ndarray, ints: np.ndarray, numel: np.ndarray) -> None:
+    """Sums to the format's statistics, in place: sum to mean and sum of squares to norm over the
+    finite elements; NaN where no element is finite."""
+    finite = numel - ints[:, 0] - ints[:, 1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        floats[:, 2] /= finite
+        floats[:, 3] = np.sqrt(floats[:, 3])
+    floats[finite == 0] = np.nan
 
 
-def _dot(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    if values.device.type == "cpu":
-        return torch.dot(values, weights)  # one fused pass; accelerators lack integer dot
-    return torch.sum(values * weights, dtype=values.dtype)
-
-
-def torch_stats(tensor: torch.Tensor, weights: ChecksumWeights) -> tuple:
-    """(min, max, sum, sum of squares, NaN count, Inf count, checksum) as 0-d tensors on the
-    tensor's device, the counts None when known to be 0: accelerators, and the CPU without the
-    fused kernel."""
-    flat = tensor.detach().reshape(-1)
-    if flat.dtype == torch.bool:
-        flat = flat.view(torch.uint8)
-    acc = stats_dtype(flat.dtype)
-    values = flat if flat.dtype == acc else flat.to(acc)
-    lo, hi = values.amin(), values.amax()  # twice as fast as aminmax on the CPU
-    total = values.sum()
-    squares = torch.dot(values, values)
-    nan = inf = None
-    # A NaN or Inf anywhere makes the sums NaN or Inf. Reading them back is free on the CPU
-    # only; elsewhere the masked statistics are always computed, without a synchronisation.
-    if values.device.type != "cpu" or not math.isfinite(total.item() + squares.item()):
-        lo, hi, total, squares, nan, inf = _masked(values)
-    return lo, hi, total, squares, nan, inf, checksum(flat, weights)
-
-
-class StatsWorker:
-    """Computes the statistics of CPU tensors on a second thread while training goes on (torch
-    releases the GIL inside its kernels). Whoever may change a queued tensor in place, or needs
-    the results, calls `drain()` first."""
-
-    def __init__(self, weights: ChecksumWeights) -> None:
-        self._weights = weights
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending = 0
-        self._done = threading.Condition()
-        self._error: BaseException | None = None
-        threading.Thread(target=self._run, name="pi0align-dump-stats", daemon=True).start()
-
-    def submit(self, results: dict, slot: int, tensor: torch.Tensor) -> None:
-        with self._done:
-            self._pending += 1
-        self._queue.put((results, slot, tensor))
-
-    def drain(self) -> None:
-        """Wait until every queued tensor has its statistics, computing queued ones meanwhile."""
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is None:  # close() came first: leave it for the thread
-                self._queue.put(None)
-                break
-            self._compute(item)
-        with self._done:
-            self._done.wait_for(lambda: self._pending == 0)
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-    def close(self) -> None:
-        """End the thread once the queue is done."""
-        self._queue.put(None)
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            self._compute(item)
-
-    def _compute(self, item: tuple) -> None:
-        results, slot, tensor = item
-        try:
-            with torch._C.DisableTorchFunction():
-                results[slot] = torch_stats(tensor, self._weights)
-        except BaseException as error:  # noqa: BLE001 - raised by drain() in the training thread
-            self._error = error
-        finally:
-            with self._done:
-                self._pending -= 1
-                self._done.notify_all()
-
-
-class StatsBatch:
-    """Statistics of every tensor captured in one step, gathered on the device until `collect`.
-    CPU tensors the fused kernel takes are written to host arrays, by the kernel's own thread when
-    `queued`; other CPU tensors go to `worker` when one is given; the rest to torch ops. With the
-    extension's recorder (steplog.py), the recorder numbers the slots and holds the kernel's
-    arrays, and hands the tensors the kernel does not take to `compute`."""
-
-    def __init__(self, weights: ChecksumWeights, worker: StatsWorker | None = None, queued: bool = False) -> None:
-        self._weights = weights
-        self._worker = worker
-        self._queued = queued
-        self._results: dict[int, tuple] = {}  # slot -> torch_stats' tensors
-        self._numel: list[int] = []
-        self._floats, self._ints = np.full((0, 4), np.nan), np.zeros((0, 3), dtype=np.int64)  # the kernel's
-
-    def add(self, tensor: torch.Tensor) -> int:
-        """Queue the statistics of a tensor that `skip_reason` accepts; returns its slot."""
-        slot = len(self._numel)
-        self._numel.append(tensor.numel())
-        if KERNEL.supports(tensor):
-            if slot >= len(self._floats):
-                self._grow(slot + 1)
-            KERNEL.stats(tensor, self._floats_at + self._floats.strides[0] * slot,
-                         self._ints_at + self._ints.strides[0] * slot, self._queued)
-        else:
-            self.compute(tensor, slot)
-        return slot
-
-    def compute(self, tensor: torch.Tensor, slot: int) -> None:
-        """The statistics of a tensor the kernel does not take, with torch ops, into `slot`."""
-        if self._worker is not None and tensor.device.type == "cpu":
-            self._worker.submit(self._results, slot, tensor)
-        else:
-            self._results[slot] = torch_stats(tensor, self._weights)
-
-    def _grow(self, needed: int) -> None:
-        """At least twice the kernel's rows, once the queued calls that write into them have run."""
-        self.drain()
-        rows = max(256, needed, 2 * len(self._floats))
-        floats, ints = np.full((rows, 4), np.nan), np.zeros((rows, 3), dtype=np.int64)
-        floats[: len(self._floats)], ints[: len(self._ints)] = self._floats, self._ints
-        self._floats, self._ints = floats, ints
-        self._floats_at, self._ints_at = floats.ctypes.data, ints.ctypes.data
-
-    def drain(self) -> None:
-        """Wait for the statistics queued so far (a queued tensor is about to change)."""
-        if self._queued:
-            KERNEL.wait()
-        if self._worker is not None:
-            self._worker.drain()
-
-    def collect(self, recorded: tuple[bytes, bytes, bytes] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(float64 [n, 4] min/max/mean/norm, int64 [n, 3] nan/inf/checksum), one copy per device.
-        `recorded`: the recorder's kernel rows and element counts (its `statistics`), taken after
-        `drain()`."""
-        self.drain()
-        if recorded is None:
-            n = len(self._numel)
-            numel = np.array(self._numel, dtype=np.float64)
-            floats, ints = np.full((n, 4), np.nan), np.zeros((n, 3), dtype=np.int64)
-            rows = min(n, len(self._floats))
-            floats[:rows], ints[:rows] = self._floats[:rows], self._ints[:rows]
-        else:
-            floats = np.frombuffer(recorded[0], np.float64).reshape(-1, 4).copy()
-            ints = np.frombuffer(recorded[1], np.int64).reshape(-1, 3).copy()
-            numel = np.frombuffer(recorded[2], np.int64).astype(np.float64)
-        if self._results:
-            on_device = sorted(self._results)
-            results = [self._results[slot] for slot in on_device]
-            floats[on_device] = _stack_to_host([value for r in results for value in r[:4]]).reshape(-1, 4)
-            ints[on_device, 2] = _stack_to_host([r[6] for r in results])
-            counted = [slot for slot in on_device if self._results[slot][4] is not None]
-            if counted:
-                counts = [count for slot in counted for count in self._results[slot][4:6]]
-                ints[counted, :2] = _stack_to_host(counts).reshape(-1, 2)
-        finite = numel - ints[:, 0] - ints[:, 1]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            floats[:, 2] /= finite
-            floats[:, 3] = np.sqrt(floats[:, 3])
-        floats[finite == 0] = np.nan
-        return floats, ints
-
-
-def _masked(values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """min, max, sum, sum of squares over the finite elements, then the NaN and Inf counts."""
-    finite = torch.isfinite(values)
-    nan = torch.isnan(values).sum()
-    inf = values.numel() - finite.sum() - nan
-    zeroed = torch.where(finite, values, 0)
-    lo = torch.where(finite, values, math.inf).amin()
-    hi = torch.where(finite, values, -math.inf).amax()
-    return lo, hi, zeroed.sum(), torch.dot(zeroed, zeroed), nan, inf
-
-
-def _stack_to_host(values: list[torch.Tensor]) -> np.ndarray:
-    """Stack same-shape tensors (any dtypes, any devices) into one host array, one copy per device."""
-    by_group: dict[tuple, list[int]] = {}
-    for i, value in enumerate(values):
-        by_group.setdefault((value.device, value.dtype), []).append(i)
-    out = None
-    for (_, dtype), indices in by_group.items():
-        host = torch.stack([values[i] for i in indices]).cpu()
-        host = host.numpy() if dtype in (torch.int64, torch.float64) else host.double().numpy()
-        if out is None:
-            out = np.empty((len(values), *host.shape[1:]), dtype=host.dtype)
-        out[indices] = host
-    return out
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()

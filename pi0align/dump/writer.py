@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pi0align.dump.file_format import StepTables
+from pi0align.dump.file_format import StepTables, tensors_file
 
 TENSOR_RING_BYTES = 1 << 30  # tensors in flight to the writer process; a full ring makes the training wait
 STEP_RING_BYTES = 1 << 26  # the steps' numeric columns in flight (stats and sample modes)
@@ -38,7 +38,6 @@ class DumpWriter:
 
     def __init__(self, path: Path, tensors: bool = False, compress: bool = True, ring_bytes: int | None = None) -> None:
         self.path = path
-        self.folder = path.with_name(path.name + ".tensors")
         self._ring_bytes = ring_bytes or (TENSOR_RING_BYTES if tensors else STEP_RING_BYTES)
         fd = os.memfd_create("pi0align-dump")
         os.ftruncate(fd, self._ring_bytes)
@@ -70,8 +69,9 @@ class DumpWriter:
         """Start the step's tensor file; returns its path relative to the dump file."""
         self._count = 0
         self._tensor_step_open = True
-        self._commands.append(("open", str(self.folder / f"{step:06d}.h5")))
-        return f"{self.folder.name}/{step:06d}.h5"
+        relative = tensors_file(self.path, step)
+        self._commands.append(("open", str(self.path.parent / relative)))
+        return relative
 
     def put(self, tensor: torch.Tensor) -> str:
         """Copy the tensor for the writer; returns its dataset path relative to the step group, or

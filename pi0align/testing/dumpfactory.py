@@ -9,9 +9,10 @@ way it would in a real network. Typical use:
     steps_b = run_toy_model(seed=0, fault=Fault("model.layers.1.linear/Functional.linear#0"))
     write_dump(tmp_path / "b.h5", steps_b, mode="stats")
 
-Also: default_manifest(**overrides), Fault(name, direction, scale, noise), checksum(array),
-sample_positions(...), and write_msprobe_dump(out, task=..., scale=...) for a real msprobe dump
-of a small torch MLP (needs mindstudio-probe; runs in a child process).
+Checksums and sample positions are the format's own (`pi0align.dump.file_format`). Also:
+default_manifest(**overrides), Fault(name, direction, scale, noise), and
+write_msprobe_dump(out, task=..., scale=...) for a real msprobe dump of a small torch MLP (needs
+mindstudio-probe; runs in a child process).
 
 Calls per step (forward, then backward in reverse, then parameters: msprobe's order; compare
 orders a step by its phases, so ours, parameters first, reads the same):
@@ -25,17 +26,15 @@ orders a step by its phases, so ours, parameters first, reads the same):
 from __future__ import annotations
 
 import json
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
 import numpy as np
 
+from pi0align.dump import file_format
+from pi0align.dump.file_format import checksum, sample_positions
 from pi0align.dump.tensor_store import write_tensor_dataset
-
-FORMAT_VERSION = 1
-STR = h5py.string_dtype()
 
 
 @dataclass
@@ -181,29 +180,6 @@ def default_manifest(**overrides) -> dict:
     return manifest
 
 
-def checksum(value: np.ndarray) -> int:
-    """sum(raw bits * (position mod 65521 + 1)) mod 2^61-1, per the format."""
-    flat = np.ascontiguousarray(value).reshape(-1)
-    bits = flat.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[flat.itemsize])
-    if flat.itemsize == 8:  # 64-bit products overflow: exact Python integers (small test tensors)
-        return int(np.sum(bits.astype(object) * (np.arange(flat.size) % 65521 + 1).astype(object)) % (2**61 - 1))
-    # products < 2^48, so blocks of 2^15 sum below 2^63 without overflow
-    block = 1 << 15
-    padded = np.zeros(-(-flat.size // block) * block, np.uint64)
-    padded[:flat.size] = bits
-    padded[:flat.size] *= (np.arange(flat.size, dtype=np.uint64) % 65521 + 1)
-    return sum(int(x) for x in padded.reshape(-1, block).sum(axis=1, dtype=np.uint64)) % (2**61 - 1)
-
-
-def sample_positions(name: str, role: str, arg_index: int, shape: tuple, sample_size: int) -> np.ndarray:
-    """Positions that depend only on the record's identity and shape, so both runs agree."""
-    numel = int(np.prod(shape))
-    if numel <= sample_size:
-        return np.arange(numel, dtype=np.int64)
-    rng = np.random.default_rng(zlib.crc32(f"{name}|{role}|{arg_index}|{list(shape)}".encode()))
-    return np.sort(rng.choice(numel, sample_size, replace=False)).astype(np.int64)
-
-
 def _stats(value: np.ndarray) -> tuple[float, float, float, float, int, int]:
     v = value.astype(np.float64).reshape(-1)
     finite = v[np.isfinite(v)]
@@ -216,34 +192,37 @@ def _stats(value: np.ndarray) -> tuple[float, float, float, float, int, int]:
 
 def write_dump(path: str | Path, steps: list[Step], *, mode: str = "stats", sample_size: int = 32,
                manifest: dict | None = None, rank: int = 0, world_size: int = 1, level: str = "api",
-               version: int = FORMAT_VERSION, complete: bool = True) -> Path:
-    """Write `steps` as one rank's pi0align dump file in `mode` (stats, sample or tensor)."""
+               version: int = file_format.VERSION, complete: bool = True) -> Path:
+    """Write `steps` as one rank's pi0align dump file in `mode` (stats, sample or tensor), through
+    the format module the dumper's writer uses."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     manifest = manifest or default_manifest(rank=rank, world_size=world_size)
+    attrs = {"version": version, "rank": rank, "world_size": world_size, "mode": mode, "level": level,
+             "sample_size": sample_size if mode == "sample" else 0, "backend": "test factory",
+             "backend_status": "numpy"}
+    file_format.create(path, attrs, manifest)
     stack_ids: dict[tuple[str, ...], int] = {}
-    with h5py.File(path, "w") as f:
-        f.attrs.update(format="pi0align-dump", version=version, rank=rank, world_size=world_size, mode=mode,
-                       level=level, sample_size=sample_size if mode == "sample" else 0)
-        f.create_dataset("manifest", data=json.dumps(manifest), dtype=STR)
-        metrics = f.create_group("metrics")
-        metrics["step"] = np.array([s.step for s in steps], np.int64)
-        for key in ("loss", "grad_norm", "lr"):
-            metrics[key] = np.array([getattr(s, key) for s in steps], np.float64)
-        for s in steps:
-            _write_step(f.create_group(f"steps/{s.step:06d}"), s, mode, sample_size, stack_ids, complete)
-        frames = sorted(stack_ids.items(), key=lambda kv: kv[1])
-        f["stacks/stack_id"] = np.array([i for _, i in frames], np.int32)
-        f.create_dataset("stacks/frames", data=[json.dumps(list(fr)) for fr, _ in frames], dtype=STR)
+    for s in steps:
+        tensors_file = None
+        if mode == "tensor":
+            tensors_file = file_format.tensors_file(path, s.step)
+            (path.parent / tensors_file).parent.mkdir(parents=True, exist_ok=True)
+        known = len(stack_ids)
+        tables = _step_tables(s, mode, sample_size, stack_ids, path.parent / tensors_file if tensors_file else None)
+        stacks = [(i, json.dumps(list(frames))) for frames, i in stack_ids.items() if i >= known]
+        file_format.append(path, tables, stacks, [(s.step, s.loss, s.grad_norm, s.lr)], tensors_file)
+        if not complete:
+            with h5py.File(path, "a") as f:
+                f[file_format.step_group(s.step)].attrs["complete"] = False
     return path
 
 
-def _write_step(group: h5py.Group, s: Step, mode: str, sample_size: int, stack_ids: dict, complete: bool) -> None:
-    group.attrs.update(step=s.step, loss=s.loss, grad_norm=s.grad_norm, lr=s.lr, complete=complete)
-    calls = {k: [] for k in ("call_id", "seq", "name", "module", "api", "direction", "stack_id", "args")}
-    records = {k: [] for k in ("call_id", "role", "arg_index", "dtype", "shape", "numel", "min", "max", "mean",
-                               "norm", "nan_count", "inf_count", "checksum", "sample_count", "tensor", "skipped")}
-    sample_values, sample_pos = [], []
+def _step_tables(s: Step, mode: str, sample_size: int, stack_ids: dict,
+                 tensors_path: Path | None) -> file_format.StepTables:
+    calls = {k: [] for k in file_format.CALL_TYPES}
+    records = {k: [] for k in file_format.RECORD_TYPES}
+    sample_values, sample_positions_rows = [], []
+    tensors = h5py.File(tensors_path, "w") if tensors_path is not None else None
     for call_id, call in enumerate(s.calls):
         stack_id = stack_ids.setdefault(tuple(call.stack), len(stack_ids)) if call.stack else -1
         for key, value in (("call_id", call_id), ("seq", call_id), ("name", call.name), ("module", call.module),
@@ -251,41 +230,41 @@ def _write_step(group: h5py.Group, s: Step, mode: str, sample_size: int, stack_i
                            ("args", json.dumps({"args": [], "kwargs": {}}))):
             calls[key].append(value)
         for role, arg_index, value in call.records:
-            i = len(records["call_id"])
             value = np.asarray(value)
             stats = _stats(value)
             tensor = ""
-            if mode == "tensor":
-                tensor = f"tensors/{i}"
-                write_tensor_dataset(group, tensor, value, str(value.dtype))
+            if tensors is not None:
+                tensor = f"tensors/{len(records['call_id'])}"
+                write_tensor_dataset(tensors, tensor.removeprefix("tensors/"), value, str(value.dtype))
             count = 0
             if mode == "sample":
-                pos = sample_positions(call.name, role, arg_index, value.shape, sample_size)
-                count = len(pos)
-                vals = np.full(sample_size, np.nan)
-                vals[:count] = value.reshape(-1)[pos]
-                padded = np.zeros(sample_size, np.int64)
-                padded[:count] = pos
-                sample_values.append(vals)
-                sample_pos.append(padded)
+                positions = sample_positions(call.name, role, arg_index, value.shape, sample_size)
+                count = len(positions)
+                values = np.full(sample_size, np.nan)
+                values[:count] = value.reshape(-1)[positions]
+                padded = np.full(sample_size, -1, np.int32)
+                padded[:count] = positions
+                sample_values.append(values)
+                sample_positions_rows.append(padded)
             row = dict(call_id=call_id, role=role, arg_index=arg_index, dtype=str(value.dtype),
                        shape=json.dumps(list(value.shape)), numel=value.size, min=stats[0], max=stats[1],
                        mean=stats[2], norm=stats[3], nan_count=stats[4], inf_count=stats[5],
                        checksum=checksum(value), sample_count=count, tensor=tensor, skipped="")
             for key, v in row.items():
                 records[key].append(v)
-    types = dict(call_id=np.int32, seq=np.int64, stack_id=np.int32, arg_index=np.int32, numel=np.int64,
-                 min=np.float64, max=np.float64, mean=np.float64, norm=np.float64, nan_count=np.int64,
-                 inf_count=np.int64, checksum=np.int64, sample_count=np.int32)
-    for table, columns in (("calls", calls), ("records", records)):
-        for key, values in columns.items():
-            if key in types:
-                group[f"{table}/{key}"] = np.array(values, types[key])
-            else:
-                group.create_dataset(f"{table}/{key}", data=values, dtype=STR)
+    if tensors is not None:
+        tensors.close()
+    samples = None
     if mode == "sample":
-        group["samples/values"] = np.array(sample_values, np.float64).reshape(-1, sample_size)
-        group["samples/positions"] = np.array(sample_pos, np.int64).reshape(-1, sample_size)
+        samples = (np.array(sample_values).reshape(-1, sample_size),
+                   np.array(sample_positions_rows, np.int32).reshape(-1, sample_size))
+    return file_format.StepTables(s.step, _arrays(calls, file_format.CALL_TYPES),
+                                  _arrays(records, file_format.RECORD_TYPES), samples)
+
+
+def _arrays(columns: dict[str, list], types: dict) -> dict[str, np.ndarray]:
+    """Columns in the format's dtypes, str columns as object arrays (as the dumper hands them over)."""
+    return {c: np.array(v, dtype=object if types[c] is file_format.STR else types[c]) for c, v in columns.items()}
 
 
 MSPROBE_SCRIPT = '''

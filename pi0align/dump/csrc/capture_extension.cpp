@@ -1,26 +1,12 @@
-"""The C++ half of the capture, built with the statistics kernel (kernel.py) into one torch
-extension on first use.
-
-- `input_edges` / `watch`: `backward.py`'s, in C++. Finding the autograd nodes a call created and
-  hooking them costs Python about 10 µs a call; here well under one, and the hooks call the Python
-  sink only with a gradient to record.
-- `tensors_of`: `arguments.py`'s, the tensors of a call's arguments or results.
-- `stats` / `gather` / `wait`: the kernel's entry points taking the tensor itself: the view layout,
-  dtype and address are read in C++, and queued tensors are kept alive there (`kernel.py` has the
-  ctypes path these replace).
-
-Where the extension cannot be built (no compiler, no torch or Python headers) the dumper keeps
-the Python and ctypes paths, and the dump file says which ran.
-"""
-
-from __future__ import annotations
-
-import os
-import sysconfig
-
-import torch
-
-SOURCE = r"""
+// The native dump backend's Python extension (pi0align/dump/native_backend.py):
+// - input_edges / watch / watch_tensor_grads: backward hooks on the autograd nodes a call created
+//   (torch_backend.py has the same in Python): finding and hooking them costs Python about 10 us a
+//   call, here well under one, and the hooks call Python only with a gradient to record;
+// - tensors_of: the tensors of a call's arguments or results;
+// - recorder / record / set_call / columns / statistics: a step's records, deduplicated, with
+//   their statistics by element_statistics.cpp (queued on its thread) or, for tensors it does not
+//   take, by the Python callback it is given;
+// - stats / gather / wait: the kernel's entry points taking the tensor itself.
 #include <Python.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/Exceptions.h>
@@ -38,6 +24,8 @@ SOURCE = r"""
 #include <unordered_map>
 #include <utility>
 #include <vector>
+
+#include "element_statistics.h"
 
 namespace {
 
@@ -291,7 +279,7 @@ at::Tensor readable(PyObject* object, int* kind) {
 }
 
 // Statistics of a tensor by the kernel, now or queued; false when the kernel does not take it.
-// Views are read in place in memory order (kernel.py's _layout: repeated dims outermost, then the
+// Views are read in place in memory order (repeated dims outermost, then the
 // largest strides, merged where memory allows), with row-major steps for the checksum positions.
 bool kernel_stats(const at::Tensor& given, double* floats, int64_t* ints, bool queued) {
   int kind = -1;
@@ -330,7 +318,7 @@ bool kernel_stats(const at::Tensor& given, double* floats, int64_t* ints, bool q
   return true;
 }
 
-// set_kind(tensor, kind): the kernel's kind for the tensor's dtype (kernel.py's _KINDS, one source)
+// set_kind(tensor, kind): the kernel's kind for the tensor's dtype (native_backend.py's KINDS, one source)
 PyObject* set_kind(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!arity(nargs, 2, "set_kind(tensor, kind)")) return nullptr;
   if (!THPVariable_Check(args[0])) return PyErr_Format(PyExc_TypeError, "set_kind(tensor, kind): not a tensor");
@@ -391,7 +379,7 @@ PyObject* forget_queue(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
-// ---- a step's records (steplog.py's Python path, in C++) ---------------------------------------
+// ---- a step's records (torch_backend.py's TorchRecords, in C++) --------------------------------
 
 PyTypeObject* plain_types[2];  // torch.Tensor and torch.nn.Parameter; other types are subclasses
 PyObject* no_text;  // ""
@@ -411,7 +399,7 @@ struct StatsBlock {
 };
 
 // Equal keys, while the first tensor lives, mean the same elements in the same row-major order
-// (steplog.py's _elements_key): views of contiguous memory share one.
+// (torch_backend.py's _elements_key): views of contiguous memory share one.
 struct ElementsKey {
   const void* data;
   int dtype;
@@ -802,27 +790,14 @@ PyMethodDef methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-PyModuleDef module = {PyModuleDef_HEAD_INIT, "pi0align_observer", nullptr, -1, methods};
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "pi0align_capture", nullptr, -1, methods};
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit_pi0align_observer() {
+PyMODINIT_FUNC PyInit_pi0align_capture() {
   std::fill(std::begin(kind_of_type), std::end(kind_of_type), -1);
   no_text = PyUnicode_InternFromString("");
   role_grad_output = PyUnicode_InternFromString("grad_output");
   role_grad_input = PyUnicode_InternFromString("grad_input");
   return PyModule_Create(&module);
 }
-"""
-
-
-
-def flags() -> list[str]:
-    """Build against the running torch and Python; the torch version is in the flags, hence in the
-    cache key, so a reinstalled torch gets its own build."""
-    root = os.path.dirname(torch.__file__)
-    lib = os.path.join(root, "lib")
-    return ["-std=c++20", "-w", f"-DPI0ALIGN_TORCH={torch.__version__}",
-            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
-            "-I", os.path.join(root, "include"), "-I", sysconfig.get_paths()["include"],
-            "-L", lib, "-ltorch", "-ltorch_cpu", "-ltorch_python", "-lc10", f"-Wl,-rpath,{lib}"]

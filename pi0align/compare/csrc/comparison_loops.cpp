@@ -1,0 +1,132 @@
+// Compiled inner loops of tensor comparison (pi0align/compare/kernels.py loads them with ctypes):
+// - pi0align_error_sums: one pass over both tensors gathers every sum the metrics need, reading
+//   each element once in its stored dtype: a.b, a.a, b.b, d.d (d = b - a), the sum of relative
+//   errors |d|/|a|, counts within 1e-3 and 5e-3, compared elements, NaN/Inf mismatches, then the
+//   maxima of |d| and |d|/|a|. NaN/Inf positions are not compared (docs/compare.md).
+// - pi0align_unshuffle: HDF5's shuffle filter undone word by word.
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t BLOCK = 1024;  // elements staged per side at a time: stays in L1
+enum Kind { F64 = 0, F32 = 1, BF16 = 2, F16 = 3 };
+enum Field { AB, AA, BB, DD, REL, W1, W5, N, MISMATCH, MAX_ABS, MAX_REL, FIELDS };
+
+float bits_to_float(uint32_t bits) { float f; std::memcpy(&f, &bits, 4); return f; }
+
+float half_to_float(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  if (exponent == 0x1f) return bits_to_float(sign | 0x7f800000u | (mantissa << 13));  // Inf, NaN
+  if (exponent) return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+  float magnitude = std::ldexp(float(mantissa), -24);  // zero or subnormal
+  return sign ? -magnitude : magnitude;
+}
+
+void stage(const void* source, int kind, int64_t start, int64_t count, double* out) {
+  switch (kind) {
+    case F64: { const double* p = static_cast<const double*>(source) + start;
+                for (int64_t i = 0; i < count; ++i) out[i] = p[i]; break; }
+    case F32: { const float* p = static_cast<const float*>(source) + start;
+                for (int64_t i = 0; i < count; ++i) out[i] = p[i]; break; }
+    case BF16: { const uint16_t* p = static_cast<const uint16_t*>(source) + start;
+                 for (int64_t i = 0; i < count; ++i) out[i] = bits_to_float(uint32_t(p[i]) << 16); break; }
+    case F16: { const uint16_t* p = static_cast<const uint16_t*>(source) + start;
+                for (int64_t i = 0; i < count; ++i) out[i] = half_to_float(p[i]); break; }
+  }
+}
+
+int64_t as_bits(double value) { int64_t bits; std::memcpy(&bits, &value, 8); return bits; }
+double from_bits(int64_t bits) { double value; std::memcpy(&value, &bits, 8); return value; }
+
+// Adds one block into s; false (adding nothing) when a sum is not finite: NaN or Inf in the block.
+bool block_sums(const double* x, const double* y, int64_t count, double* s) {
+  double ab = 0, aa = 0, bb = 0, dd = 0, rel = 0, w1 = 0, w5 = 0;
+  // Maxima of non-negative doubles through their bits: same order, and integer maxima vectorise.
+  int64_t max_abs = 0, max_rel = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    double a = x[i], b = y[i], d = b - a;
+    ab += a * b; aa += a * a; bb += b * b; dd += d * d;
+    double diff = std::fabs(d), scale = std::fabs(a);
+    double r = diff / scale;  // 0/0 is NaN: no difference; x/0 is inf
+    r = r == r ? r : 0.0;
+    rel += r;
+    w1 += diff <= 1e-3 * scale ? 1.0 : 0.0;
+    w5 += diff <= 5e-3 * scale ? 1.0 : 0.0;
+    int64_t diff_bits = as_bits(diff), rel_bits = as_bits(r);
+    max_abs = diff_bits > max_abs ? diff_bits : max_abs;
+    max_rel = rel_bits > max_rel ? rel_bits : max_rel;
+  }
+  if (!(std::fabs(aa + bb + dd + rel) <= DBL_MAX)) return false;
+  s[AB] += ab; s[AA] += aa; s[BB] += bb; s[DD] += dd; s[REL] += rel; s[W1] += w1; s[W5] += w5;
+  s[N] += double(count);
+  s[MAX_ABS] = std::fmax(s[MAX_ABS], from_bits(max_abs));
+  s[MAX_REL] = std::fmax(s[MAX_REL], from_bits(max_rel));
+  return true;
+}
+
+void block_sums_masked(const double* x, const double* y, int64_t count, double* s) {
+  for (int64_t i = 0; i < count; ++i) {
+    double a = x[i], b = y[i];
+    if (!std::isfinite(a) || !std::isfinite(b)) {
+      bool nan_a = std::isnan(a), nan_b = std::isnan(b);
+      if (nan_a != nan_b || (!nan_a && !nan_b && a != b)) s[MISMATCH] += 1;
+      continue;
+    }
+    double d = b - a, diff = std::fabs(d), scale = std::fabs(a);
+    double r = scale > 0 ? diff / scale : (diff > 0 ? INFINITY : 0.0);
+    s[AB] += a * b; s[AA] += a * a; s[BB] += b * b; s[DD] += d * d; s[REL] += r;
+    s[W1] += diff <= 1e-3 * scale ? 1.0 : 0.0;
+    s[W5] += diff <= 5e-3 * scale ? 1.0 : 0.0;
+    s[N] += 1;
+    s[MAX_ABS] = std::fmax(s[MAX_ABS], diff);
+    s[MAX_REL] = std::fmax(s[MAX_REL], r);
+  }
+}
+
+int64_t item_size(int kind) { return kind == F64 ? 8 : kind == F32 ? 4 : 2; }
+
+template <typename Word>
+void unshuffle_words(const uint8_t* planes, int64_t n, Word* out) {
+  constexpr int width = sizeof(Word);
+  for (int64_t start = 0; start < n; start += BLOCK) {
+    int64_t count = n - start < BLOCK ? n - start : BLOCK;
+    Word* block = out + start;
+    for (int64_t i = 0; i < count; ++i) block[i] = planes[start + i];
+    for (int p = 1; p < width; ++p) {
+      const uint8_t* plane = planes + p * n + start;
+      for (int64_t i = 0; i < count; ++i) block[i] |= Word(plane[i]) << (8 * p);
+    }
+  }
+}
+
+}  // namespace
+
+// rows x cols elements per side (row-major, contiguous); sums: rows x FIELDS, added to.
+extern "C" void pi0align_error_sums(const void* a, int kind_a, const void* b, int kind_b, int64_t rows,
+                                    int64_t cols, double* sums) {
+  double x[BLOCK], y[BLOCK];
+  for (int64_t row = 0; row < rows; ++row) {
+    const char* row_a = static_cast<const char*>(a) + row * cols * item_size(kind_a);
+    const char* row_b = static_cast<const char*>(b) + row * cols * item_size(kind_b);
+    double* s = sums + row * FIELDS;
+    for (int64_t start = 0; start < cols; start += BLOCK) {
+      int64_t count = cols - start < BLOCK ? cols - start : BLOCK;
+      stage(row_a, kind_a, start, count, x);
+      stage(row_b, kind_b, start, count, y);
+      if (!block_sums(x, y, count, s)) block_sums_masked(x, y, count, s);
+    }
+  }
+}
+
+// HDF5's shuffle filter stored byte p of element i at planes[p * n + i]; out: n elements of 2, 4
+// or 8 bytes.
+extern "C" void pi0align_unshuffle(const uint8_t* planes, int64_t n, int width, uint8_t* out) {
+  switch (width) {
+    case 2: unshuffle_words(planes, n, reinterpret_cast<uint16_t*>(out)); break;
+    case 4: unshuffle_words(planes, n, reinterpret_cast<uint32_t*>(out)); break;
+    case 8: unshuffle_words(planes, n, reinterpret_cast<uint64_t*>(out)); break;
+  }
+}
