@@ -1,6 +1,7 @@
 """Where a run came from: library versions, the initial weights' hash, the project's commit.
 
-Shared by the training manifest and the dumper's (which also serves users' own training scripts).
+Shared by the training manifest and the dumper's (which also serves users' own training scripts):
+`environment` is what both say of where a run ran.
 """
 
 from __future__ import annotations
@@ -13,13 +14,27 @@ from pathlib import Path
 import torch
 
 from pi0align import __version__
-from pi0align.device import cann_version, optional_version
+from pi0align.device import Device, cann_version, optional_version
 
 VERSIONED_DISTRIBUTIONS = {
     "torch": "torch", "torch_npu": "torch-npu", "transformers": "transformers", "lerobot": "lerobot",
     "deepspeed": "deepspeed", "accelerate": "accelerate", "msprobe": "mindstudio-probe",
     "torchvision": "torchvision", "numpy": "numpy",
 }
+
+
+def environment(device: Device, rank: int, world_size: int) -> dict:
+    """What both manifests (the run's and the dump's) say of where a run ran: device, process group,
+    versions and numerics switches."""
+    return {
+        "device": device.type,
+        "device_name": device.name(),
+        "device_count": device.count(),
+        "world_size": world_size,
+        "rank": rank,
+        "versions": versions(),
+        "numerics": numerics(),
+    }
 
 
 def versions() -> dict[str, str | None]:

@@ -145,6 +145,27 @@ def test_the_config_checks_itself_from_python_and_from_the_command_line():
     assert_one_line_error(run_cli("run", *TINY, "--batch-size", "0"), "--batch-size must be at least 1")
 
 
+def test_every_config_field_is_a_run_flag_that_reaches_the_config():
+    import argparse
+    import dataclasses
+    from pathlib import Path
+
+    from pi0align.cli.run import add_arguments, config_from_args
+    from pi0align.train.config import TrainConfig
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert {f.name for f in dataclasses.fields(TrainConfig)} <= {action.dest for action in parser._actions}
+    given = ["--batch-size", "3", "--no-deterministic", "--dataset", "/data/koch", "--lr", "0.5", "--preset", "tiny",
+             "--keep-dropout", "--dump-backend", "torch"]
+    config, resume_from = config_from_args(parser.parse_args(given))
+    assert resume_from is None
+    assert config == TrainConfig(batch_size=3, deterministic=False, dataset=Path("/data/koch"), lr=0.5, preset="tiny",
+                                 rm_dropout=False)
+    assert config_from_args(parser.parse_args([]))[0] == TrainConfig()
+    assert_one_line_error(run_cli("run", *TINY, "--dump-steps", "0", "--dump-backend", "gpu"), "--dump-backend")
+
+
 def test_dump_steps_take_the_steps_grammar_of_every_command():
     from pi0align.cli.steps import parse_steps
 

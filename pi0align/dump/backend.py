@@ -18,9 +18,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from pi0align.dump.file_format import BACKENDS
 from pi0align.errors import UserError
-
-BACKENDS = ("auto", "native", "torch")
 
 # (role, arg_index, gradient), called with torch functions disabled
 Sink = Callable[[str, int, torch.Tensor], None]
@@ -90,8 +89,8 @@ def choose_backend(name: str) -> Backend:
     from pi0align.dump.native_backend import NativeBackend
     from pi0align.dump.torch_backend import TorchBackend
 
-    if name not in BACKENDS:
-        raise UserError(f"dump backend must be one of {', '.join(BACKENDS)}, not {name!r}")
+    if name not in ("auto", *BACKENDS):
+        raise UserError(f"dump backend must be one of auto, {', '.join(BACKENDS)}, not {name!r}")
     if name == "torch":
         return TorchBackend("chosen")
     native = NativeBackend.load()

@@ -16,7 +16,6 @@ from pi0align.dump.optimizer import OptimizerRecorder
 from pi0align.dump.stacks import Stacks
 from pi0align.dump.steplog import Filter, StepLog
 
-LEVELS = ("api", "module", "mix")
 _BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 _quiet = torch._C.DisableTorchFunction  # the dumper's own tensor work is never captured
 

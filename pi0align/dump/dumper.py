@@ -13,16 +13,14 @@ import torch
 
 from pi0align.dump import file_format
 from pi0align.dump.backend import choose_backend
-from pi0align.dump.capture import LEVELS, Capture
-from pi0align.dump.file_format import WRITE_ERRORS
+from pi0align.dump.capture import Capture
+from pi0align.dump.file_format import LEVELS, MODES, WRITE_ERRORS
 from pi0align.dump.manifest import build_manifest
 from pi0align.dump.perturb import UlpPerturbation
 from pi0align.dump.sampling import Sampler
 from pi0align.dump.steplog import Filter, StepLog
 from pi0align.dump.writer import DumpWriter
 from pi0align.errors import UserError
-
-MODES = ("stats", "sample", "tensor")
 
 
 class Dumper:

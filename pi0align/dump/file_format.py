@@ -19,6 +19,10 @@ from h5py import h5d, h5s, h5t
 
 FORMAT = "pi0align-dump"
 VERSION = 1
+# the root attributes' values: what a dump records, at which level, with which backend
+MODES = ("stats", "sample", "tensor")
+LEVELS = ("api", "module", "mix")
+BACKENDS = ("native", "torch")
 
 STR = h5py.string_dtype("utf-8")
 CALL_TYPES = {

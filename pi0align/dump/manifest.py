@@ -8,7 +8,7 @@ import sys
 import torch
 
 from pi0align.device import Device
-from pi0align.provenance import numerics, versions, weights_sha256
+from pi0align.provenance import environment, weights_sha256
 
 _KEYS = ("seed", "seed_impl", "config", "dataset_fingerprint", "git_commit")
 
@@ -18,14 +18,8 @@ def build_manifest(model: torch.nn.Module | None, rank: int, world_size: int, gi
     first = next(iter(model.parameters()), None) if model is not None else None
     device = Device(first.device.type, first.device.index) if first is not None else Device("cpu")
     manifest = {
-        "device": device.type,
-        "device_name": device.name(),
-        "device_count": device.count(),
+        **environment(device, rank, world_size),
         "dtype": str(first.dtype).removeprefix("torch.") if first is not None else None,
-        "world_size": world_size,
-        "rank": rank,
-        "versions": versions(),
-        "numerics": numerics(),
         "weights_sha256": None,
         "argv": sys.argv,
         **{key: None for key in _KEYS},

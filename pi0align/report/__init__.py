@@ -5,7 +5,7 @@ No torch here: reports are made on a laptop that has only the dumps.
 """
 
 from pi0align.report.console import print_summary, progress_bar
-from pi0align.report.tables import write_csv, write_json
+from pi0align.report.csv_json import write_csv, write_json
 
 _HTML = ("default_html_path", "plotly_js", "write_html")
 

@@ -1,6 +1,7 @@
-"""The one config object of a training run. Every field is a `pi0align run` flag of the same name;
-the config checks itself when made, so a bad value fails the same way from the command line, a
-resumed run's saved config, or Python."""
+"""The one config object of a training run. Every field is a `pi0align run` flag of the same name,
+made from the field (its type, default, choices and `flag` metadata) by cli/run.py; the config
+checks itself when made, so a bad value fails the same way from the command line, a resumed run's
+saved config, or Python."""
 
 from __future__ import annotations
 
@@ -17,38 +18,51 @@ AT_LEAST_ONE = ("steps", "batch_size", "threads")
 NOT_NEGATIVE = ("num_workers", "save_every", "log_every")
 
 
+def flag(help: str, group: str = "run", metavar: str | None = None, negation: str | None = None) -> dict:
+    """A field's `pi0align run` flag (cli/run.py makes them from these): its help, its section of
+    `--help`, and, for a bool that is on by default, the flag that turns it off."""
+    return {"help": help, "group": group, "metavar": metavar, "negation": negation}
+
+
 @dataclass
 class TrainConfig:
-    device: str = "cpu"
-    seed: int = 1234
-    preset: str = "small"  # full | small | tiny
-    dtype: str = "fp32"  # fp32 | bf16
-    steps: int = 50
-    batch_size: int = 8
-    lr: float | None = None  # None: the PI0 optimizer preset's peak learning rate
-    num_workers: int = 0
-    threads: int = field(default_factory=lambda: os.cpu_count() or 1)  # torch intra-op threads
-    log_every: int = 1
-    save_every: int = 0  # 0: only the final checkpoint
-    out: Path | None = None  # None: dumps/<device>-seed<seed>-<time>/
-    dataset: Path | None = None  # None: the built-in synthetic koch-like dataset
-    tokenizer: Path | None = None  # None: a small generated tokenizer (small presets only)
-    pretrained: Path | None = None  # None: random init from the seed
-    seed_impl: str = "msprobe"  # preferred seed_all: msprobe's when installed, else ours; "pi0align": always ours
-    deterministic: bool = True  # seed_all(mode=...)
-    rm_dropout: bool = True  # seed_all(rm_dropout=...)
-    progress: bool = True  # rich progress bar
+    device: str = field(default="cpu", metadata=flag("cpu, cuda[:N] or npu[:N]"))
+    seed: int = field(default=1234, metadata=flag("seed for every random source"))
+    preset: str = field(default="small", metadata=flag("model size; small presets keep PI0's architecture"))
+    dtype: str = field(default="fp32", metadata=flag("parameters' dtype"))
+    steps: int = field(default=50, metadata=flag("optimizer steps"))
+    batch_size: int = field(default=8, metadata=flag("samples per step"))
+    # None: the PI0 optimizer preset's peak learning rate
+    lr: float | None = field(default=None, metadata=flag("peak learning rate (default: PI0's preset, 2.5e-5)"))
+    num_workers: int = field(default=0, metadata=flag("dataloader workers"))
+    threads: int = field(default_factory=lambda: os.cpu_count() or 1, metadata=flag("torch CPU threads"))
+    log_every: int = field(default=1, metadata=flag("console line every N steps; 0: none"))
+    save_every: int = field(default=0, metadata=flag("checkpoint every N steps; 0: only at the end"))
+    out: Path | None = field(default=None, metadata=flag("run folder (default: dumps/<device>-seed<seed>-<time>/)"))
+    dataset: Path | None = field(default=None, metadata=flag(
+        "local LeRobot dataset (default: built-in synthetic koch-like dataset)", "inputs", "ROOT"))
+    tokenizer: Path | None = field(default=None, metadata=flag(
+        "PaliGemma tokenizer folder (required by --preset full)", "inputs", "DIR"))
+    pretrained: Path | None = field(default=None, metadata=flag(
+        "LeRobot policy folder with model.safetensors (e.g. lerobot/pi0)", "inputs", "DIR"))
+    seed_impl: str = field(default="msprobe", metadata=flag(
+        "msprobe: msprobe's seed_all when installed, else ours; pi0align: always ours", "seeding"))
+    deterministic: bool = field(default=True, metadata=flag(
+        "allow non-deterministic algorithms", "seeding", negation="--no-deterministic"))  # seed_all(mode=...)
+    rm_dropout: bool = field(default=True, metadata=flag(
+        "leave dropout active", "seeding", negation="--keep-dropout"))  # seed_all(rm_dropout=...)
+    progress: bool = field(default=True, metadata=flag("no progress bar", negation="--no-progress"))
 
     def __post_init__(self) -> None:
         for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
-                raise UserError(f"--{_flag(name)} must be one of {', '.join(choices)}, not {getattr(self, name)!r}")
+                raise UserError(f"--{flag_name(name)} must be one of {', '.join(choices)}, not {getattr(self, name)!r}")
         for name in AT_LEAST_ONE:
             if getattr(self, name) < 1:
-                raise UserError(f"--{_flag(name)} must be at least 1")
+                raise UserError(f"--{flag_name(name)} must be at least 1")
         for name in NOT_NEGATIVE:
             if getattr(self, name) < 0:
-                raise UserError(f"--{_flag(name)} must not be negative")
+                raise UserError(f"--{flag_name(name)} must not be negative")
 
     def to_json(self) -> dict:
         fields = dataclasses.asdict(self)
@@ -64,5 +78,5 @@ class TrainConfig:
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
 
-def _flag(field_name: str) -> str:
+def flag_name(field_name: str) -> str:
     return field_name.replace("_", "-")

@@ -4,25 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from pi0align.device import Device
-from pi0align.provenance import git_commit, versions, weights_sha256
+from pi0align.provenance import environment, git_commit, weights_sha256
 
 
 def build_manifest(*, config, device: Device, seed_impl: str, transformers_compat: str, policy, parameter_count: int,
                    dataset_root: Path, dataset_fingerprint: str, world_size: int = 1, rank: int = 0) -> dict:
     return {
-        "device": device.type,
-        "device_name": device.name(),
-        "device_count": device.count(),
+        **environment(device, rank, world_size),
         "dtype": config.dtype,
         "seed": config.seed,
         "seed_impl": seed_impl,
-        "world_size": world_size,
-        "rank": rank,
-        "threads": torch.get_num_threads(),
-        "versions": versions(),
         "transformers_compat": transformers_compat,
         "config": config.to_json(),
         "hyperparameters": _hyperparameters(policy.config),
