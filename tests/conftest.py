@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,10 +20,28 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 @pytest.fixture(scope="session", autouse=True)
 def artifact_cache(tmp_path_factory) -> Path:
-    """One cache (synthetic dataset, generated tokenizers) for the whole session, shared with subprocesses."""
+    """One cache (synthetic dataset, generated tokenizers) for the whole session, shared with
+    subprocesses. The native builds of this machine's cache (scripts/install.sh makes them) come
+    along: each is named by a hash of its sources, flags, compiler and CPU, so it is what the
+    session would build."""
+    from pi0align.cache import cache_root
+
+    built = cache_root() / "kernels"
     cache = tmp_path_factory.mktemp("pi0align-cache")
+    if built.is_dir():
+        shutil.copytree(built, cache / "kernels", ignore=shutil.ignore_patterns("tmp*"))
     os.environ["PI0ALIGN_CACHE"] = str(cache)
     return cache
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked slow run in CI (`CI` set, as `.ci/run` does), not in a local run."""
+    if os.environ.get("CI"):
+        return
+    skip = pytest.mark.skip(reason="slow: runs in CI (set CI=true to run it here)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 def without_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,6 +32,7 @@ train(TrainConfig(preset="tiny", steps=1000, batch_size=4, threads=1, out=out / 
 """
 
 
+@pytest.mark.parametrize("backend", ["native", pytest.param("torch", marks=pytest.mark.slow)], indirect=True)
 @pytest.mark.parametrize("mode", ["stats", "tensor"])
 def test_sigkill_during_a_dumped_step_leaves_every_earlier_step(tmp_path, mode, backend):
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), mode, backend], cwd=REPO,

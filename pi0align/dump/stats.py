@@ -75,7 +75,7 @@ class BatchedStatistics:
 
     def before_change(self, tensors: list[torch.Tensor]) -> None:
         """`tensors` are about to change in place: reduce what is queued if any of it shares their memory."""
-        if self._pending and any(_storage(t) in self._pending_storages for t in tensors):
+        if self._pending and any(_storage(t) in self._pending_storages or _storage(t) is None for t in tensors):
             self.flush()
 
     def flush(self) -> None:
@@ -170,5 +170,9 @@ def finish_statistics(floats: np.ndarray, ints: np.ndarray, numel: np.ndarray) -
     floats[finite == 0] = np.nan
 
 
-def _storage(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
+def _storage(tensor: torch.Tensor) -> int | None:
+    """The address of the tensor's memory; None when it has none to tell (a subclass, say)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
