@@ -86,15 +86,12 @@ def test_statistics_of_all_nan_tensors():
 @pytest.mark.parametrize("filters", [dict(compression=32015, compression_opts=(1,), shuffle=True),
                                      dict(compression="gzip", shuffle=True), dict(compression="gzip"), {}],
                          ids=["zstd+shuffle", "gzip+shuffle", "gzip", "uncompressed-chunked"])
-@pytest.mark.parametrize("compiler", [True, False], ids=["compiled", "numpy"])
-def test_compressed_hdf5_chunks_read_in_parallel_equal_in_memory(tmp_path, monkeypatch, filters, compiler):
+def test_compressed_hdf5_chunks_read_in_parallel_equal_in_memory(tmp_path, filters, loops):
     import h5py
     import hdf5plugin  # noqa: F401 - the Zstandard filter (id 32015), as pi0align writes tensors
 
     from pi0align.compare.records import Bfloat16Array
 
-    if not compiler:
-        _numpy_only(tmp_path, monkeypatch)
     rng = np.random.default_rng(1)
     b = rng.standard_normal((300, 70)).astype(np.float32)  # not a multiple of the chunk shape: edge chunks
     n = (b * (1 + 1e-3 * rng.standard_normal(b.shape))).astype(np.float32)
@@ -105,24 +102,38 @@ def test_compressed_hdf5_chunks_read_in_parallel_equal_in_memory(tmp_path, monke
         from pi0align.compare.h5chunks import chunk_layout
 
         assert chunk_layout(f["b"]) is not None  # read chunk by chunk, not through h5py
-        expected = tensor_metrics(b, n, workers=1)
+        expected = tensor_metrics(b, n, workers=1, loops=loops)
         for workers in (1, 3):
-            got = tensor_metrics(f["b"], f["n"], chunk_elements=5000, workers=workers)
+            got = tensor_metrics(f["b"], f["n"], chunk_elements=5000, workers=workers, loops=loops)
             assert got == pytest.approx(expected, rel=1e-9)
-        bf16 = tensor_metrics(Bfloat16Array(f["b16"]), Bfloat16Array(f["n16"]), workers=2)
-        assert bf16 == pytest.approx(tensor_metrics(Bfloat16Array(f["b16"][()]), Bfloat16Array(f["n16"][()])), rel=1e-9)
+        bf16 = tensor_metrics(Bfloat16Array(f["b16"]), Bfloat16Array(f["n16"]), workers=2, loops=loops)
+        in_memory = tensor_metrics(Bfloat16Array(f["b16"][()]), Bfloat16Array(f["n16"][()]), loops=loops)
+        assert bf16 == pytest.approx(in_memory, rel=1e-9)
 
 
 
-def _numpy_only(tmp_path, monkeypatch):
-    """From here on, metrics are computed as on a machine without a C++ compiler (numpy only)."""
-    from pi0align.compare.kernels import Kernels
+@pytest.fixture(params=["compiled", "numpy"])
+def loops(request):
+    """kernels.py's two implementations; the compiled one skipped where it cannot be built."""
+    from pi0align.compare.kernels import CompiledLoops, NumpyLoops, comparison_loops
+
+    if request.param == "numpy":
+        return NumpyLoops()
+    if not isinstance(comparison_loops(), CompiledLoops):
+        pytest.skip(f"no compiled loops here ({comparison_loops().status})")
+    return comparison_loops()
+
+
+def test_without_a_compiler_the_numpy_loops_run(tmp_path, monkeypatch):
+    from pi0align.compare.kernels import NumpyLoops, comparison_loops
 
     without_compiler(tmp_path, monkeypatch)
-    kernels = Kernels()
-    monkeypatch.setattr("pi0align.compare.metrics.KERNELS", kernels)
-    monkeypatch.setattr("pi0align.compare.h5chunks.KERNELS", kernels)
-    return kernels
+    comparison_loops.cache_clear()  # chosen once per process: choose again, here without a compiler
+    try:
+        chosen = comparison_loops()
+        assert isinstance(chosen, NumpyLoops) and "no-such-compiler" in chosen.status
+    finally:
+        comparison_loops.cache_clear()
 
 
 def _awkward_pair(rng, dtype):
@@ -139,23 +150,22 @@ def _awkward_pair(rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32", "bfloat16"])
-def test_compiled_and_numpy_paths_agree(tmp_path, monkeypatch, dtype):
-    from pi0align.compare.kernels import KERNELS
+def test_compiled_and_numpy_loops_agree(dtype):
+    from pi0align.compare.kernels import CompiledLoops, NumpyLoops, comparison_loops
     from pi0align.compare.records import Bfloat16Array
 
-    if not KERNELS.load():
-        pytest.skip(f"no compiled kernels here ({KERNELS.status})")
+    if not isinstance(comparison_loops(), CompiledLoops):
+        pytest.skip(f"no compiled loops here ({comparison_loops().status})")
     b, n = _awkward_pair(np.random.default_rng(2), "float32" if dtype == "bfloat16" else dtype)
     if dtype == "bfloat16":
         b, n = (Bfloat16Array((x.view(np.uint32) >> 16).astype(np.uint16)) for x in (b, n))
 
-    def both_ways():
-        rows = sample_metrics(np.asarray(b[:], np.float64), np.asarray(n[:], np.float64))
-        return tensor_metrics(b, n, chunk_elements=1000), rows
+    def both_ways(loops):
+        rows = sample_metrics(np.asarray(b[:], np.float64), np.asarray(n[:], np.float64), loops)
+        return tensor_metrics(b, n, chunk_elements=1000, loops=loops), rows
 
-    compiled, compiled_rows = both_ways()
-    assert _numpy_only(tmp_path, monkeypatch).load() is False
-    numpy, numpy_rows = both_ways()
+    compiled, compiled_rows = both_ways(comparison_loops())
+    numpy, numpy_rows = both_ways(NumpyLoops())
     assert compiled == pytest.approx(numpy, rel=1e-12, nan_ok=True)
     for key, values in numpy_rows.items():
         assert compiled_rows[key] == pytest.approx(values, rel=1e-12, nan_ok=True), key

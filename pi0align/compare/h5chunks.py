@@ -3,7 +3,7 @@
 h5py serialises every read behind one lock, so decompression -- the bottleneck of tensor mode --
 would use one core. When a dataset's filters are ones we can undo ourselves (Zstandard, as
 pi0align writes tensors, or gzip; shuffle; or none), we read each chunk's bytes straight from the
-file (os.pread), decompress them and unshuffle them with numpy, all of which release the GIL, in
+file (os.pread), decompress them and unshuffle them (kernels.py), all of which release the GIL, in
 worker threads. Importing this module registers the Zstandard filter (hdf5plugin) for h5py's own
 reads as well.
 """
@@ -18,8 +18,6 @@ import h5py
 import hdf5plugin  # lets h5py read Zstandard-compressed datasets too
 import numpy as np
 import zstandard
-
-from pi0align.compare.kernels import KERNELS
 
 _ZSTD = str(hdf5plugin.ZSTD_ID)  # how h5py names a filter it has no name for
 _SUPPORTED_FILTERS = {"gzip", "shuffle", _ZSTD}
@@ -49,8 +47,9 @@ class ChunkReader:
     `ChunkBuffers`: fresh megabyte buffers per chunk would cost more in page faults than the
     decompression itself."""
 
-    def __init__(self, ds: h5py.Dataset):
+    def __init__(self, ds: h5py.Dataset, loops):
         self.shape, self.chunks, self.dtype = ds.shape, ds.chunks, ds.dtype
+        self.loops = loops  # kernels.py's, for the unshuffle
         self.gzip, self.zstd, self.shuffle = "gzip" in ds._filters, _ZSTD in ds._filters, "shuffle" in ds._filters
         self.chunk_bytes = int(np.prod(self.chunks)) * self.dtype.itemsize
         self.fd = os.open(ds.file.filename, os.O_RDONLY)
@@ -67,7 +66,7 @@ class ChunkReader:
             raw = _zstd_into(raw, buffers.get("plain", self.chunk_bytes))
         data = np.frombuffer(raw, np.uint8)
         if self.shuffle and not mask & 0b01 and self.dtype.itemsize > 1:
-            data = _unshuffle(data, self.dtype.itemsize, buffers.get("unshuffled", data.size))
+            data = self.loops.unshuffle(data, self.dtype.itemsize, buffers.get("unshuffled", data.size))
         chunk = data.view(self.dtype).reshape(self.chunks)
         # edge chunks are stored whole: keep the part inside the dataset
         return chunk[tuple(slice(0, min(c, n - o)) for c, n, o in zip(self.chunks, self.shape, offset))]
@@ -97,22 +96,10 @@ def _zstd_into(compressed: memoryview, out: memoryview) -> memoryview:
     return out[:filled]
 
 
-def _unshuffle(planes: np.ndarray, itemsize: int, out: memoryview) -> np.ndarray:
-    """Undo HDF5's shuffle filter: byte i of every element was stored in plane i. Compiled
-    (kernels.py) where a compiler is; else one strided numpy write per plane."""
-    if KERNELS.load():
-        elements = np.frombuffer(out, f"u{itemsize}")  # element sizes of dtype kinds f, i, u: 2, 4 or 8
-        KERNELS.unshuffle(planes, elements)
-        return elements.view(np.uint8)
-    elements = np.frombuffer(out, np.uint8).reshape(-1, itemsize)
-    for i, plane in enumerate(planes.reshape(itemsize, -1)):
-        elements[:, i] = plane
-    return elements.reshape(-1)
-
-
-def chunk_pairs(a: Any, b: Any) -> tuple[ChunkReader, ChunkReader, list[tuple]] | None:
+def chunk_pairs(a: Any, b: Any, loops) -> tuple[ChunkReader, ChunkReader, list[tuple]] | None:
     """Readers and (offset, where in a, where in b) per chunk, for two datasets of the same shape
-    and chunk layout; None when they cannot be read this way. Close the readers after use."""
+    and chunk layout; None when they cannot be read this way. Close the readers after use.
+    `loops`: kernels.py's loops, which unshuffle."""
     layout = chunk_layout(a)
     if layout is None or layout != chunk_layout(b) or a.shape != b.shape:
         return None
@@ -120,4 +107,4 @@ def chunk_pairs(a: Any, b: Any) -> tuple[ChunkReader, ChunkReader, list[tuple]] 
     if index_a is None or index_b is None:
         return None
     jobs = [(offset, where, index_b[offset]) for offset, where in sorted(index_a.items())]
-    return ChunkReader(a), ChunkReader(b), jobs
+    return ChunkReader(a, loops), ChunkReader(b, loops), jobs

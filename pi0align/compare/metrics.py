@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from pi0align.compare.kernels import FIELDS, KERNELS, SUMMED
+from pi0align.compare.kernels import FIELDS, SUMMED, CompiledLoops, NumpyLoops, comparison_loops
 from pi0align.compare.records import Bfloat16Array, iter_flat_chunks
 
 TENSOR_METRICS = ["cosine", "max_abs_err", "max_rel_err", "mean_rel_err", "rel_l2_err", "rmse",
@@ -30,28 +30,22 @@ def relative(diff: np.ndarray, scale: np.ndarray) -> np.ndarray:
         return np.where(scale > 0, diff / np.where(scale > 0, scale, 1.0), np.where(diff > 0, np.inf, diff * 0.0))
 
 
+Loops = CompiledLoops | NumpyLoops
+
+
 class ErrorAccumulator:
     """Running sums of the error between a and b, per row; add chunks, merge, then read result().
-    The sums come from the compiled loops (kernels.py) or, without a compiler, from numpy."""
+    The sums come from `loops` (kernels.py: compiled, or numpy's)."""
 
-    def __init__(self, rows: int = 1):
+    def __init__(self, rows: int, loops: Loops):
         self._sums = np.zeros((rows, len(FIELDS)))
         self._scratch: dict = {}
+        self._loops = loops
 
     def add(self, a: np.ndarray, b: np.ndarray, bfloat16: bool = False) -> None:
         """a, b: one row (1-D) or rows (2-D) at the same positions, any numeric dtype;
         bfloat16: both hold raw bfloat16 bits (uint16)."""
-        a, b = np.atleast_2d(a), np.atleast_2d(b)
-        if KERNELS.load():
-            KERNELS.error_sums(a, b, bfloat16, self._sums)
-            return
-        a, b = ((Bfloat16Array.decode(x) if bfloat16 else x).astype(np.float64, copy=False) for x in (a, b))
-        part = _partial_sums(a, b, self._scratch)
-        if not np.isfinite(part["aa"] + part["bb"]).all():  # rare: a NaN or Inf somewhere, mask it out
-            part = _partial_sums(a, b, self._scratch, mask_nonfinite=True)
-        summed = [np.broadcast_to(part.get(k, 0.0), len(self._sums)) for k in FIELDS[:SUMMED]]
-        self._sums[:, :SUMMED] += np.stack(summed, 1)
-        np.maximum(self._sums[:, SUMMED:], np.stack([part["max_abs"], part["max_rel"]], 1), out=self._sums[:, SUMMED:])
+        self._loops.error_sums(np.atleast_2d(a), np.atleast_2d(b), bfloat16, self._sums, self._scratch)
 
     def merge(self, other: ErrorAccumulator) -> None:
         self._sums[:, :SUMMED] += other._sums[:, :SUMMED]
@@ -81,73 +75,37 @@ class ErrorAccumulator:
         return out
 
 
-def _dot(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    # einsum, not BLAS: between other work BLAS threads fall asleep, and waking them costs more
-    return np.einsum("ij,ij->i", x, y)
-
-
-def _partial_sums(a: np.ndarray, b: np.ndarray, scratch: dict, mask_nonfinite: bool = False) -> dict[str, np.ndarray]:
-    """Per-row sums and maxima of one chunk. Memory passes bound throughput, and fresh large
-    arrays cost page faults, so temporaries live in `scratch` and are reused chunk after chunk."""
-    part = {}
-    masked = 0
-    if mask_nonfinite:
-        nan_a, nan_b = np.isnan(a), np.isnan(b)
-        both = np.isfinite(a) & np.isfinite(b)
-        # Same NaN pattern and same infinities count as agreement; anything else is a mismatch.
-        with np.errstate(invalid="ignore"):
-            part["mismatch"] = ((nan_a != nan_b) | (~both & ~nan_a & ~nan_b & (a != b))).sum(-1)
-        a, b = np.where(both, a, 0.0), np.where(both, b, 0.0)
-        masked = (~both).sum(-1)  # masked positions count neither as elements nor as "within"
-    if scratch.get("size", -1) < a.size:
-        scratch.update(size=a.size, d=np.empty(a.size), rel=np.empty(a.size), flag=np.empty(a.size, bool))
-    d, rel, flag = (scratch[k][:a.size].reshape(a.shape) for k in ("d", "rel", "flag"))
-    with np.errstate(invalid="ignore", over="ignore"):
-        np.subtract(b, a, out=d)
-        part.update(n=a.shape[-1] - masked, ab=_dot(a, b), aa=_dot(a, a), bb=_dot(b, b), dd=_dot(d, d))
-        np.abs(d, out=d)
-        part["max_abs"] = d.max(-1, initial=0.0)
-        np.abs(a, out=rel)
-        with np.errstate(divide="ignore"):
-            np.divide(d, rel, out=rel)  # x/0 = inf: a difference where B is exactly zero
-        np.isnan(rel, out=flag)  # 0/0 (and masked positions): no difference
-        if flag.any():
-            rel[flag] = 0.0
-        part["max_rel"] = rel.max(-1, initial=0.0)
-        part["rel"] = rel.sum(-1)
-        part["w1"] = np.count_nonzero(np.less_equal(rel, 1e-3, out=flag), axis=-1) - masked
-        part["w5"] = np.count_nonzero(np.less_equal(rel, 5e-3, out=flag), axis=-1) - masked
-    return part
-
-
-def tensor_metrics(a: Any, b: Any, chunk_elements: int = CHUNK_ELEMENTS, workers: int = WORKERS) -> dict[str, float]:
+def tensor_metrics(a: Any, b: Any, chunk_elements: int = CHUNK_ELEMENTS, workers: int = WORKERS,
+                   loops: Loops | None = None) -> dict[str, float]:
     """Metrics of two same-shape array-likes (h5py datasets, memmaps), read chunk by chunk.
     Chunked HDF5 datasets are read and decoded chunk by chunk, as stored, by `workers` threads
     (h5chunks.py); other arrays are read `chunk_elements` at a time, in row ranges whose
-    arithmetic, which releases the GIL, runs in parallel."""
-    accumulators = _reduce_stored_chunks(a, b, workers)
+    arithmetic, which releases the GIL, runs in parallel. `loops`: the compiled loops where they
+    build, unless given."""
+    loops = loops or comparison_loops()
+    accumulators = _reduce_stored_chunks(a, b, workers, loops)
     if accumulators is None:
-        accumulators = _reduce_row_ranges(a, b, chunk_elements, workers)
+        accumulators = _reduce_row_ranges(a, b, chunk_elements, workers, loops)
     total = accumulators[0]
     for other in accumulators[1:]:
         total.merge(other)
     return {k: float(v[0]) for k, v in total.result().items()}
 
 
-def _reduce_stored_chunks(a: Any, b: Any, workers: int) -> list[ErrorAccumulator] | None:
+def _reduce_stored_chunks(a: Any, b: Any, workers: int, loops: Loops) -> list[ErrorAccumulator] | None:
     # imported here: h5chunks loads hdf5plugin, needed only once tensors are read
     from pi0align.compare.h5chunks import ChunkBuffers, chunk_pairs
 
     bfloat16 = isinstance(a, Bfloat16Array)
     if bfloat16 != isinstance(b, Bfloat16Array):
         return None
-    stored = chunk_pairs(a.bits, b.bits) if bfloat16 else chunk_pairs(a, b)
+    stored = chunk_pairs(a.bits, b.bits, loops) if bfloat16 else chunk_pairs(a, b, loops)
     if stored is None:
         return None
     reader_a, reader_b, jobs = stored
 
     def reduce(part: list) -> ErrorAccumulator:
-        acc = ErrorAccumulator(1)
+        acc = ErrorAccumulator(1, loops)
         buffers_a, buffers_b = ChunkBuffers(), ChunkBuffers()
         for offset, where_a, where_b in part:
             chunk_a, chunk_b = reader_a.read(offset, where_a, buffers_a), reader_b.read(offset, where_b, buffers_b)
@@ -166,13 +124,13 @@ def _reduce_stored_chunks(a: Any, b: Any, workers: int) -> list[ErrorAccumulator
         reader_b.close()
 
 
-def _reduce_row_ranges(a: Any, b: Any, chunk_elements: int, workers: int) -> list[ErrorAccumulator]:
+def _reduce_row_ranges(a: Any, b: Any, chunk_elements: int, workers: int, loops: Loops) -> list[ErrorAccumulator]:
     rows = a.shape[0] if len(a.shape) else 1
     per_row = max(1, int(np.prod(a.shape[1:], dtype=np.int64))) if len(a.shape) else 1
     parts = min(workers, max(1, rows * per_row // (4 * chunk_elements)), rows)
 
     def reduce(lo: int, hi: int) -> ErrorAccumulator:
-        acc = ErrorAccumulator(1)
+        acc = ErrorAccumulator(1, loops)
         view_a, view_b = (_RowRange(x, lo, hi) for x in (a, b)) if len(a.shape) else (a, b)
         for chunk_a, chunk_b in iter_flat_chunks(view_a, view_b, chunk_elements):
             acc.add(chunk_a, chunk_b)
@@ -197,9 +155,9 @@ class _RowRange:
         return self.array[self.lo + start:self.lo + stop]
 
 
-def sample_metrics(values_a: np.ndarray, values_b: np.ndarray) -> dict[str, np.ndarray]:
+def sample_metrics(values_a: np.ndarray, values_b: np.ndarray, loops: Loops | None = None) -> dict[str, np.ndarray]:
     """Metrics per row of two (rows, samples) arrays; unused sample slots must be NaN on both sides."""
-    acc = ErrorAccumulator(len(values_a))
+    acc = ErrorAccumulator(len(values_a), loops or comparison_loops())
     acc.add(values_a, values_b)
     return acc.result()
 
