@@ -112,19 +112,22 @@ class BatchedStatistics:
             flat = flat.view(torch.uint8)
         acc = stats_dtype(flat.dtype, flat.device)
         values = flat if flat.dtype == acc else flat.to(acc)
-        finite = values.isfinite()
-        masked = values.where(finite, 0).split(lengths)
-        lowest = values.where(finite, math.inf).neg_().split(lengths)
-        highest = values.where(finite, -math.inf).split(lengths)
+        # Each pass that writes a tensor costs several times one that only reduces: few of them.
+        # NaN and ±Inf become 0 for the sums, and the lowest value for the maxima.
+        full = values.nan_to_num(0.0, 0.0, 0.0)
+        masked = full.split(lengths)
+        highest = values.nan_to_num(-math.inf, -math.inf, -math.inf).split(lengths)
+        lowest = values.neg().nan_to_num_(-math.inf, -math.inf, -math.inf).split(lengths)
         lo = torch.stack(torch._foreach_max(lowest)).neg_()
         hi = torch.stack(torch._foreach_max(highest))
-        total = (torch.stack(torch._foreach_norm(torch._foreach_clamp_min(masked, 0), 1))
-                 - torch.stack(torch._foreach_norm(torch._foreach_clamp_max(masked, 0), 1)))
+        # Σx = 2 Σ max(x, 0) - Σ |x|
+        total = (2 * torch.stack(torch._foreach_norm(torch._foreach_clamp_min(masked, 0), 1))
+                 - torch.stack(torch._foreach_norm(masked, 1)))
         norm = torch.stack(torch._foreach_norm(masked, 2))  # squared on the host: no float32 overflow
         floats = torch.stack([lo, hi, total, norm], 1)
         # unsigned for one byte, sign-extended for two, four and eight (docs/dump-format.md)
         bits = flat.view(_BITS_VIEW[flat.element_size()])
-        sums = self._integer_sums(values.isnan(), finite, bits, lengths)
+        sums = self._integer_sums(values.isnan(), full != values, bits, lengths)
         starts = torch.tensor(np.cumsum([0, *lengths[:-1]]), device=flat.device)
         checksum = sums[3] - starts * sums[2]  # positions counted from each tensor's first element
         if flat.element_size() <= 4:
@@ -132,23 +135,26 @@ class BatchedStatistics:
         ints = torch.stack([sums[0], sums[1] - sums[0], checksum], 1)
         return floats, ints
 
-    def _integer_sums(self, nan: torch.Tensor, finite: torch.Tensor, bits: torch.Tensor,
+    def _integer_sums(self, nan: torch.Tensor, nonfinite: torch.Tensor, bits: torch.Tensor,
                       lengths: list[int]) -> torch.Tensor:
         """[4, k] int64: per tensor, its NaN count, non-finite count, Σ bits and Σ bits × (position in
         the concatenation + 1), as differences of prefix sums (int64 wraps alike in any order), one
-        window of the concatenation at a time: its int64 rows take 64 bytes an element."""
+        window of the concatenation at a time (the counts' prefix sums in int32: a window holds
+        fewer than 2^31 elements)."""
         bounds = np.cumsum([0, *lengths])
         sums = bits.new_zeros((4, len(lengths)), dtype=torch.int64)
         for first in range(0, int(bounds[-1]), _WINDOW):
             last = min(first + _WINDOW, int(bounds[-1]))
             window = slice(first, last)
             wide = bits[window].to(torch.int64)
-            rows = torch.stack([nan[window].to(torch.int64), finite[window].logical_not().to(torch.int64), wide,
-                                wide * self._ramp(last, bits.device)[window]])
+            prefixes = (nan[window].cumsum(0, dtype=torch.int32),
+                        nonfinite[window].cumsum(0, dtype=torch.int32),
+                        wide.cumsum(0), (wide * self._ramp(last, bits.device)[window]).cumsum(0))
             # the tensors in the window, and where each one's part of it ends
             inside = slice(int(np.searchsorted(bounds, first, "right")) - 1, int(np.searchsorted(bounds, last, "left")))
             ends = torch.tensor(np.minimum(bounds[1:][inside], last) - 1 - first, device=bits.device)
-            sums[:, inside] += rows.cumsum(1).index_select(1, ends).diff(dim=1, prepend=rows.new_zeros(4, 1))
+            at_ends = torch.stack([prefix.index_select(0, ends).to(torch.int64) for prefix in prefixes])
+            sums[:, inside] += at_ends.diff(dim=1, prepend=at_ends.new_zeros(4, 1))
         return sums
 
     def _ramp(self, length: int, device: torch.device) -> torch.Tensor:
