@@ -43,6 +43,11 @@ MSPROBE = {"msprobe L1 statistics": ("statistics", "L1"), "msprobe mix statistic
            "msprobe L1 tensor": ("tensor", "L1")}
 
 
+def _folder(work: Path, variant: str) -> Path:
+    """Where a variant's dumps go."""
+    return work / variant.replace(" ", "_").replace(",", "")
+
+
 def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
 
@@ -100,7 +105,7 @@ def bench_ours(args, work: Path) -> list[tuple[str, float, float, int]]:
     dumpers, variants, counts = {}, {}, {}
     for name, how in OURS.items():
         mode, level, backend = how or ("stats", "mix", "auto")
-        dumper = Dumper(work / name.replace(" ", "_").replace(",", ""), steps=[] if how is None else None,
+        dumper = Dumper(_folder(work, name), steps=[] if how is None else None,
                         level=level, mode=mode, compress="uncompressed" not in name, backend=backend)
         dumper.start(policy)
         dumper.stop()
@@ -126,7 +131,7 @@ def bench_ours(args, work: Path) -> list[tuple[str, float, float, int]]:
         dumper.__exit__(None, None, None)
     plain_time = _plain_time(step)
     return [(name, statistics.median(r), plain_time,
-             folder_bytes(work / name.replace(" ", "_").replace(",", "")) // counts[name] if OURS[name] else 0)
+             folder_bytes(_folder(work, name)) // counts[name] if OURS[name] else 0)
             for name, r in ratios.items()]
 
 

@@ -75,7 +75,7 @@ class BatchedStatistics:
 
     def before_change(self, tensors: list[torch.Tensor]) -> None:
         """`tensors` are about to change in place: reduce what is queued if any of it shares their memory."""
-        if self._pending and any(_storage(t) in self._pending_storages or _storage(t) is None for t in tensors):
+        if self._pending and any(s is None or s in self._pending_storages for s in map(_storage, tensors)):
             self.flush()
 
     def flush(self) -> None:
@@ -127,8 +127,9 @@ class BatchedStatistics:
         floats = torch.stack([lo, hi, total, norm], 1)
         # unsigned for one byte, sign-extended for two, four and eight (docs/dump-format.md)
         bits = flat.view(_BITS_VIEW[flat.element_size()])
-        sums = self._integer_sums(values.isnan(), full != values, bits, lengths)
-        starts = torch.tensor(np.cumsum([0, *lengths[:-1]]), device=flat.device)
+        bounds = np.cumsum([0, *lengths])  # where each tensor starts in the concatenation, then its end
+        sums = self._integer_sums(values.isnan(), full != values, bits, bounds)
+        starts = torch.tensor(bounds[:-1], device=flat.device)
         checksum = sums[3] - starts * sums[2]  # positions counted from each tensor's first element
         if flat.element_size() <= 4:
             checksum = ((checksum & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000  # 32-bit, sign-extended
@@ -136,13 +137,12 @@ class BatchedStatistics:
         return floats, ints
 
     def _integer_sums(self, nan: torch.Tensor, nonfinite: torch.Tensor, bits: torch.Tensor,
-                      lengths: list[int]) -> torch.Tensor:
+                      bounds: np.ndarray) -> torch.Tensor:
         """[4, k] int64: per tensor, its NaN count, non-finite count, Σ bits and Σ bits × (position in
         the concatenation + 1), as differences of prefix sums (int64 wraps alike in any order), one
         window of the concatenation at a time (the counts' prefix sums in int32: a window holds
-        fewer than 2^31 elements)."""
-        bounds = np.cumsum([0, *lengths])
-        sums = bits.new_zeros((4, len(lengths)), dtype=torch.int64)
+        fewer than 2^31 elements). bounds: each tensor's first position in it, then its end."""
+        sums = bits.new_zeros((4, len(bounds) - 1), dtype=torch.int64)
         for first in range(0, int(bounds[-1]), _WINDOW):
             last = min(first + _WINDOW, int(bounds[-1]))
             window = slice(first, last)
