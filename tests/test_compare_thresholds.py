@@ -94,7 +94,7 @@ def test_rounding_level_gradients_warn_and_are_named(tmp_path):
     b = write_dump(tmp_path / "b.h5", _zero_gradient_run(2, 1e-12))
     result = compare_dumps(a, b)
     assert result.verdict == "aligned"
-    assert any("rounding noise" in note and "bias" in note for note in result.notes)
+    assert any("at rounding level" in note and "bias" in note for note in result.notes), result.notes
     bias = result.rows[result.rows["name"].str.contains("layers.0.linear.bias")]
     assert list(bias["verdict"]) == ["pass", "warn", "warn", "warn"]  # step 0 value, step 0 grad, step 1 both
     # the same difference on a gradient of normal size is a failure

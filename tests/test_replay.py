@@ -102,6 +102,10 @@ def test_the_compare_goes_on_where_replay_cannot(toy_dumps):
     reasons = set(rows.loc[rows["replay"] != "", "replay"])
     assert reasons == {"module call (judged by the calls inside it)"}
     replayed = rows[rows["local_error_a"].notna()]
-    assert len(replayed) > 50 and (replayed["local_error_b"] < 3 * 2.0**-8).all()
+    kernels = replayed["direction"].isin(["forward", "backward"])  # one operation each: within its rounding
+    assert kernels.sum() > 50 and (replayed.loc[kernels, "local_error_b"] < 3 * 2.0**-8).all()
+    updates = replayed[~kernels]  # AdamW's update is several operations, each moved by up to an ulp on B
+    assert len(updates) > 20 and updates["direction"].eq("optimizer").all()
+    assert (updates["local_error_b"] < 4 * 2.0**-8).all() and not result.culprits
     no_replay = compare_dumps(toy_dumps["a"], toy_dumps["noisy"], replay=False)
     assert no_replay.noise_model == "intrinsic" and no_replay.rows["local_error_a"].isna().all()

@@ -15,9 +15,10 @@ import numpy as np
 
 from pi0align.compare.records import Dump
 from pi0align.compare.table import Table
+from pi0align.dump.file_format import DEVICE_NAME, DEVICE_REPR
 
-_DEVICE_REPR = re.compile(r"device\(type='[a-z]+'(, index=\d+)?\)")
-_DEVICE_TEXT = re.compile(r'"(cpu|cuda|npu|xpu|mps)(:\d+)?"')
+_DEVICE_REPR = re.compile(DEVICE_REPR)
+_DEVICE_TEXT = re.compile(f'"{DEVICE_NAME}"')
 
 
 def canonical(args: str) -> str:
@@ -37,6 +38,31 @@ def hyper_parameter_differences(args_a: str, args_b: str) -> list[tuple[str, obj
         return []
     return [(key, settings_a[key], settings_b[key]) for key in sorted(settings_a.keys() & settings_b.keys())
             if settings_a[key] != settings_b[key]]
+
+
+def adam_step(args: str) -> float:
+    """The most an Adam-family update (its hyper-parameters have `betas`) moves one element:
+    lr × max(1, (1 − β1) / √(1 − β2)) (Kingma and Ba, "Adam", section 2.1: the effective step is
+    bounded by the learning rate, or by that ratio of it when 1 − β1 > √(1 − β2)); NaN for other
+    optimizers or arguments that do not say."""
+    settings = _loads(args).get("hyper_parameters")
+    if not isinstance(settings, dict):
+        return float("nan")
+    lr, betas = settings.get("lr"), settings.get("betas")
+    if not isinstance(lr, (int, float)) or not (isinstance(betas, list) and len(betas) == 2
+                                                 and all(isinstance(b, (int, float)) for b in betas)):
+        return float("nan")
+    return adam_step_for(float(lr), float(betas[0]), float(betas[1]))
+
+
+DEFAULT_BETAS = (0.9, 0.999)  # torch.optim.Adam/AdamW's: the wider bound, where the betas are not recorded
+
+
+def adam_step_for(lr: float, beta1: float = DEFAULT_BETAS[0], beta2: float = DEFAULT_BETAS[1]) -> float:
+    """lr × max(1, (1 − β1) / √(1 − β2)): adam_step() from its settings."""
+    if not (0 <= beta1 < 1 and 0 <= beta2 < 1) or lr < 0:
+        return float("nan")
+    return lr * max(1.0, (1.0 - beta1) / (1.0 - beta2) ** 0.5)
 
 
 def _loads(text: str) -> dict:

@@ -10,22 +10,18 @@ from pathlib import Path
 import numpy as np
 
 from pi0align.compare.align import pair_records
-from pi0align.compare.arguments import arguments_differ, hyper_parameter_differences
-from pi0align.compare.explain import (
-    bit_comparable,
-    data_differ,
-    explained_rows,
-    identical_values,
-    rows_of,
-)
+from pi0align.compare.arguments import adam_step, arguments_differ, hyper_parameter_differences
+from pi0align.compare.explain import explain, rows_of, unexplained_source
 from pi0align.compare.groups import culprit_groups
-from pi0align.compare.judge import judge, noise_model
+from pi0align.compare.identity import tensor_identities
+from pi0align.compare.judge import bit_comparable, judge, noise_model
 from pi0align.compare.manifest import (
     manifest_diff,
     manifest_notes,
     numerics_notes,
     weights_comparable,
 )
+from pi0align.compare.memory import HeapTrimmer
 from pi0align.compare.metrics import (
     STATS_METRICS,
     TENSOR_METRICS,
@@ -33,23 +29,15 @@ from pi0align.compare.metrics import (
     stats_metrics,
     tensor_metrics,
 )
-from pi0align.compare.noise import noise_driven
+from pi0align.compare.noise import rounding_level
 from pi0align.compare.open_dump import open_run
 from pi0align.compare.records import OUTPUT_ROLES, Dump, user_frames
-from pi0align.compare.reference import check_reference, raised_limits, reference_notes
+from pi0align.compare.reference import check_reference, reference_notes
 from pi0align.compare.result import ROW_COLUMNS, Comparison
-from pi0align.compare.rootcause import call_errors, culprits, first_divergence, first_failing
-from pi0align.compare.rounding import measure_without_rounding
+from pi0align.compare.rootcause import call_table, culprits, first_divergence
 from pi0align.compare.table import Table, gather, isin, lookup
 from pi0align.compare.thresholds import load_thresholds
-from pi0align.compare.verdict import (
-    JUDGED_PAIRINGS,
-    metric_errors,
-    metric_limits,
-    metric_ratios,
-    severity,
-    verdicts,
-)
+from pi0align.compare.verdict import JUDGED_PAIRINGS, judge_rows
 from pi0align.errors import UserError
 
 Progress = Callable[[int, int], None]
@@ -110,7 +98,7 @@ def _compare(path_a: str | Path, path_b: str | Path, thresholds: dict, steps: It
         if noise is not None:
             pairs += [(runs_a[r], opened[2][r], False) for r in sorted(runs_a)]
         tracker = _Tracker(progress, sum(_work(a, b, replay) for a, b, replay in pairs))
-        parts = [_compare_rank(a, b, tracker, replay, thresholds) for a, b, replay in pairs]
+        parts = [_compare_rank(a, b, tracker, replay) for a, b, replay in pairs]
         reference = Table.concat([p[0] for p in parts[len(runs_a):]]) if noise is not None else None
         return _conclude(parts[:len(runs_a)], runs_a, runs_b, thresholds, str(path_a), str(path_b),
                          reference, opened[2] if noise is not None else None)
@@ -142,8 +130,7 @@ def _work(a: Dump, b: Dump, replay: bool) -> int:
     return steps + tensors + calls
 
 
-def _compare_rank(a: Dump, b: Dump, tracker: _Tracker, replay: bool,
-                  thresholds: dict) -> tuple[Table, list[str], Callable, list]:
+def _compare_rank(a: Dump, b: Dump, tracker: _Tracker, replay: bool) -> tuple[Table, list[str], Callable, list]:
     """Rows of one rank (metrics filled, not yet judged), notes, the stack of a call, and the
     optimizer settings that differ."""
     ra, rb = a.records, b.records
@@ -161,8 +148,10 @@ def _compare_rank(a: Dump, b: Dump, tracker: _Tracker, replay: bool,
         "shape_a": side_a.values("shape", ""), "shape_b": side_b.values("shape", ""),
         "pairing": pairs["pairing"],
         "evidence": np.full(len(ia), "", object), "stack": pick("stack"), "rank": np.full(len(ia), a.rank, np.int64),
-        # internal, not in ROW_COLUMNS: for the rounding-noise rule (noise.py)
-        "norm_a": side_a.values("norm", np.nan), "norm_b": side_b.values("norm", np.nan),
+        # internal, not in ROW_COLUMNS: statistics for the bounds, the rounding-noise rule and which
+        # records hold the same tensor (bounds.py, noise.py, identity.py)
+        **{f"{s}_{side}": values.values(s, np.nan) for s in ("min", "max", "mean", "norm")
+           for side, values in (("a", side_a), ("b", side_b))},
         "checksum_a": side_a.values("checksum", -1), "checksum_b": side_b.values("checksum", -1),
     }, length=len(ia), nullable_ints=("seq_a", "seq_b"))
     for metric in TENSOR_METRICS + STATS_METRICS:
@@ -172,28 +161,27 @@ def _compare_rank(a: Dump, b: Dump, tracker: _Tracker, replay: bool,
     notes = []
     if a.mode == b.mode == "sample" and a.sample_reader and b.sample_reader:
         notes += _fill_samples(rows, side_a, side_b, comparable, a, b)
-    streamed = 0
-    if a.mode == b.mode == "tensor":
-        streamed = _fill_tensors(rows, side_a, side_b, comparable, a, b, tracker)
-        if replay:  # where replay judges the calls that read the parameters, not their inputs' errors
-            notes += measure_without_rounding(rows, side_a.values("tensor", ""), side_b.values("tensor", ""), a, b,
-                                              thresholds)
-    rows["args_differ"] = arguments_differ(rows, a, b, ia, ib)
-    replayed = 0
-    if replay:
-        from pi0align.compare.replayed import local_errors
+    done = 0  # units of progress made below
 
-        def advance() -> None:
-            nonlocal replayed
-            replayed += 1
-            tracker.advance()
+    def advance() -> None:
+        nonlocal done
+        done += 1
+        tracker.advance()
 
-        for column, values in local_errors(rows, a, b, ia, ib, comparable, advance).items():
+    if replay:  # one pass over the calls: each tensor read once, for its metrics and the replay
+        from pi0align.compare.replayed import measure_and_replay
+
+        for column, values in measure_and_replay(rows, a, b, ia, ib, comparable, advance).items():
             rows[column] = values
+        rows["evidence"][~np.isnan(rows["rel_l2_err"])] = "tensor"
     else:
+        if a.mode == b.mode == "tensor":
+            _fill_tensors(rows, side_a, side_b, comparable, a, b, advance)
         rows["local_error_a"], rows["local_error_b"] = np.full(len(ia), np.nan), np.full(len(ia), np.nan)
         rows["replay"] = np.full(len(ia), "", dtype=object)
-    tracker.advance(max(_work(a, b, replay) - streamed - replayed, 0))  # steps, unpaired tensors, calls not replayed
+    rows["args_differ"] = arguments_differ(rows, a, b, ia, ib)
+    rows["update_step"], rows["learning_rate_sum"] = _update_steps(rows, a, ia)
+    tracker.advance(max(_work(a, b, replay) - done, 0))  # steps, unpaired tensors, calls not replayed
     return rows, notes, _stack_lookup(a), _hyper_parameters(a, b)
 
 
@@ -246,20 +234,45 @@ def _fill_samples(rows: Table, sa: _Side, sb: _Side, mask: np.ndarray, a: Dump, 
     return notes
 
 
-def _fill_tensors(rows: Table, sa: _Side, sb: _Side, mask: np.ndarray, a: Dump, b: Dump, tracker: _Tracker) -> int:
-    """Stream every tensor pair; returns how many."""
+def _fill_tensors(rows: Table, sa: _Side, sb: _Side, mask: np.ndarray, a: Dump, b: Dump,
+                  advance: Callable[[], None]) -> None:
+    """Stream every tensor pair, chunk by chunk."""
     paths_a, paths_b = sa.values("tensor", ""), sb.values("tensor", "")
     use = np.flatnonzero(mask & (paths_a != "") & (paths_b != ""))
     steps = rows["step"]
-    results = []
+    results, trim = [], HeapTrimmer()
     for i in use:
         results.append(tensor_metrics(a.tensor_reader(int(steps[i]), paths_a[i]),
                                       b.tensor_reader(int(steps[i]), paths_b[i])))
-        tracker.advance()
+        trim()
+        advance()
     for metric in TENSOR_METRICS:
         rows[metric][use] = [r[metric] for r in results]
     rows["evidence"][use] = "tensor"
-    return len(use)
+
+
+def _update_steps(rows: Table, a: Dump, ia: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """How far the optimizer may move an element (arguments.adam_step): per row of a recorded
+    update, from A's hyper-parameters for it (NaN: not an Adam-family update, or not recorded); per
+    parameter row, the sum of A's logged learning rates over the steps before it (NaN where a step
+    has none), for the updates that were not recorded."""
+    n = len(rows)
+    step_of_update = np.full(n, np.nan)
+    updates = np.flatnonzero((rows["direction"] == "optimizer") & (ia >= 0))
+    if len(updates) and a.args_reader is not None:
+        calls, steps = a.records["call"][ia[updates]], rows["step"][updates]
+        sizes = {key: adam_step(a.args_reader(*key)) for key in set(zip(steps.tolist(), calls.tolist()))}
+        step_of_update[updates] = [sizes[key] for key in zip(steps.tolist(), calls.tolist())]
+    metrics = a.metrics
+    learning_rate_sum = np.full(n, np.nan)
+    if len(metrics) and "lr" in metrics:
+        logged = dict(zip(metrics["step"].astype(np.int64).tolist(), metrics["lr"].astype(np.float64).tolist()))
+        last = max(logged) + 1
+        summed = np.concatenate([[0.0], np.cumsum([logged.get(step, np.nan) for step in range(last)])])
+        parameters = np.flatnonzero(rows["role"] == "parameter")
+        steps = rows["step"][parameters]
+        learning_rate_sum[parameters] = np.where(steps <= last, summed[np.minimum(steps, last)], np.nan)
+    return step_of_update, learning_rate_sum
 
 
 def _hyper_parameters(a: Dump, b: Dump) -> list[tuple[str, object, object]]:
@@ -289,34 +302,34 @@ def _stack_lookup(dump: Dump) -> Callable[[int, int], list[str]]:
 
 def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, reference: Table | None,
               runs_reference: dict[int, Dump] | None) -> Comparison:
+    """The verdict in stages, each a function of the ones before: rows against their limits
+    (verdict.py), the call table (rootcause.py), the judgement of each call (judge.py), and which
+    failing rows the noise model explains (explain.py)."""
     rows = Table.concat([p[0] for p in parts])
     notes = [n for dump in list(runs_a.values()) + list(runs_b.values()) for n in dump.notes]
     notes += [n for p in parts for n in p[1]]
     stack_lookups = dict(zip(sorted(runs_a), (p[2] for p in parts)))  # rank -> (step, seq) -> frames
-    errors, limits = metric_errors(rows), metric_limits(rows, thresholds)
-    rows["over_dtype_limits"] = severity(metric_ratios(errors, limits)) > 1
-    if reference is not None:
-        limits = raised_limits(rows, limits, reference)
-    sev = severity(metric_ratios(errors, limits))
-    rows["severity"] = sev
-    rows["verdict"] = verdicts(rows, sev, thresholds).astype(object)
-    driven, noise_notes = noise_driven(rows, thresholds)
-    rows["verdict"][driven] = "warn"
-    notes += noise_notes
-    if runs_reference is not None:
-        notes += reference_notes(runs_reference)
-    rows["identical"] = identical_values(rows)
-    rows["verdict"][data_differ(rows)] = "fail"
     first_a, first_b = runs_a[min(runs_a)], runs_b[min(runs_b)]
     diff = manifest_diff(first_a.manifest, first_b.manifest)
-    calls = call_errors(rows)
+
+    judged_rows = judge_rows(rows, thresholds, reference)
+    rounding, rounding_notes = rounding_level(rows, judged_rows.verdict)
+    rows["identical"] = judged_rows.identical
+    identity = tensor_identities(rows)
+    calls = call_table(rows, judged_rows.verdict, rounding, identity)
     fallback = "reference" if reference is not None else "intrinsic"
-    judgement = judge(calls, fallback, exact=bit_comparable(rows, diff, first_a.manifest))
-    rows["verdict"][explained_rows(rows, calls, judgement)] = "warn"
+    judgement = judge(calls, fallback, exact=bit_comparable(rows, judged_rows.identical, diff, first_a.manifest))
+    explanation = explain(rows, judged_rows.verdict, rounding, identity, calls, judgement)
+
+    rows["severity"], rows["over_dtype_limits"] = judged_rows.severity, judged_rows.over_dtype_limits
+    rows["verdict"], rows["explained_by"] = explanation.verdict, explanation.explained_by
     exact = rows_of(rows, calls, judgement.culprit & (judgement.evidence == "exact"))
     # a change its statistics may not see
     rows["verdict"][exact & isin(rows["role"], OUTPUT_ROLES) & ~rows["identical"]] = "fail"
     rows["introduced_error"] = _introduced_per_row(rows, calls)
+    notes += rounding_notes
+    if runs_reference is not None:
+        notes += reference_notes(runs_reference)
     stack_of = lambda rank, step, seq: stack_lookups[rank](step, seq) if rank in stack_lookups else []
     first = first_divergence(calls, judgement.culprit, stack_of)
     first_bwd = first_divergence(calls, judgement.culprit, stack_of, direction="backward")
@@ -336,11 +349,8 @@ def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, r
     coverage.update({label: int((pairing == label).sum())
                      for label in ("realigned", "shape_mismatch", "dtype_mismatch")})
     if failed and first is None:
-        first = first_failing(calls, stack_of)
-        if first is not None:
-            notes.append(f"no call introduces error beyond noise: the first differing call, {first.name} "
-                         f"(step {first.step}), already receives differing inputs (input data, initial weights, "
-                         "or an operation that was not dumped differ)")
+        first, note = unexplained_source(rows, calls, stack_of)
+        notes.append(note)
     order = np.lexsort((rows["seq_b"], rows["seq_a"], rows["step"], rows["rank"]))  # NaN (no record) last
     return Comparison(
         verdict="diverged" if failed or weights_differ or judgement else "aligned",
@@ -351,7 +361,8 @@ def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, r
         first_divergence_backward=first_bwd,
         noise_model=noise_model(judgement, fallback),
         rows_over_dtype_limits=int(rows["over_dtype_limits"].sum()),
-        culprit_groups=culprit_groups(calls, judgement, hyper_parameters))
+        culprit_groups=culprit_groups(calls, judgement, hyper_parameters),
+        explained=explanation.counts())
 
 
 def _introduced_per_row(rows: Table, calls: Table) -> np.ndarray:

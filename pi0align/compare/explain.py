@@ -1,26 +1,110 @@
-"""Which failing rows the noise model explains, and whether two runs are bit-comparable.
+"""Which failing rows the noise model explains, and by which rule (docs/compare.md, "Explained rows").
 
-A failing row is judged `warn` (within noise) when it ran before its rank's first culprit and the
-noise model explains it (docs/compare.md, "Explained rows"); bit-comparable runs are judged by
-their checksums (judge.py, `exact`).
+The last stage of the verdict: rows judged against their limits (verdict.py), the calls
+(rootcause.py) and their judgement (judge.py) in, each row's final verdict and the rule that
+turned it `warn` out (`explained_by`). A failing row is explained only by what made it, within a
+bound: a result of a call within noise, the same tensor as an explained result, a sum or a
+clipping of explained gradients, a tensor made inside a module by calls that were not dumped
+while the module stayed within its bound, or a gradient at rounding level. Only rows that ran
+before their rank's first culprit are explained (those after it may inherit its error), and no
+row of a module around a culprit. Everything else keeps failing: the run is `diverged`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from pi0align.compare.judge import Judgement, containing
-from pi0align.compare.records import OUTPUT_ROLES
-from pi0align.compare.rootcause import phases
+from pi0align.compare.bounds import MARGIN, noise_floor
+from pi0align.compare.identity import RESULT_ROLES, gradient_sources, produced
+from pi0align.compare.judge import Judgement
+from pi0align.compare.modules import containing, enclosing_modules
+from pi0align.compare.result import CallRef
+from pi0align.compare.rootcause import call_directions, phases, row_error
 from pi0align.compare.table import Table, gather, isin, lookup
+from pi0align.compare.thresholds import UNIT_ROUNDOFF, looser_classes
+
+# explained_by: the rule that turned a row `warn` ("" for the others)
+EXPLAINED_BY = {
+    "limits": "within its limits, near them (above warn_fraction of a limit)",
+    "rounding": "a gradient at rounding level (noise.py)",
+    "replay": "a result of a call replayed in float64 whose kernel is as close as the other side's",
+    "bound": "a result of a call whose output error is within what its inputs and rounding explain",
+    "peers": "a result of a call that introduces no more than the other calls of its API",
+    "inside": "a result of a module whose calls are judged on their own",
+    "step": "a parameter an optimizer update moved no further than one step of its optimizer can",
+    "producer": "the same tensor (same bits on both sides) as an explained result",
+    "gradient_sum": "a sum of gradients its readers sent back, within the sum's bound",
+    "clipping": "an explained gradient scaled by the clipping factor, within its bound",
+    "module": "made inside modules within their bounds by calls that were not dumped",
+}
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Per row: its final verdict and the rule that explained it (a key of EXPLAINED_BY, or "")."""
+
+    verdict: np.ndarray
+    explained_by: np.ndarray
+
+    def counts(self) -> dict[str, int]:
+        """Rows turned or left `warn`, by rule."""
+        labels = self.explained_by[self.verdict == "warn"].tolist()
+        return {rule: labels.count(rule) for rule in EXPLAINED_BY if rule in labels}
+
+
+def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np.ndarray, calls: Table,
+            judgement: Judgement) -> Explanation:
+    """The rows' final verdicts: failing rows the noise model explains become `warn`, each labelled."""
+    labels = np.where(verdict == "warn", "limits", "").astype(object)
+    open_ = (verdict == "fail") & _before_first(rows, calls, judgement)
+    open_ &= ~rows_of(rows, calls, containing(calls, judgement.culprit))
+    error, _ = row_error(rows)
+    call = calls_of(rows, calls)
+
+    def settle(mask: np.ndarray, rule) -> None:
+        chosen = open_ & mask
+        labels[chosen] = rule if isinstance(rule, str) else rule[chosen]
+        open_[chosen] = False
+
+    settle(rounding, "rounding")
+    within = gather(judgement.within, call, "").astype(object)
+    result = isin(rows["role"], (*RESULT_ROLES, "parameter_grad"))
+    settle(result & (call >= 0) & (within != "") & (within != "unsourced"), within)
+
+    def fine() -> np.ndarray:  # rows that do not fail, or are explained by now
+        return (verdict != "fail") | (labels != "")
+
+    producer = produced(rows, identity, result & isin(verdict, ("pass", "warn", "fail")))
+    settle((producer >= 0) & gather(fine(), producer, False), "producer")
+    settle(_gradient_sums_within(rows, identity, error, verdict, fine()), "gradient_sum")
+    settle(_clipped_within(rows, error, fine()), "clipping")
+    settle(_states_within(rows, fine()), "producer")
+    settle(_made_inside(rows, calls, call, judgement, producer), "module")
+    final = verdict.copy()
+    final[(verdict == "fail") & (labels != "") & (labels != "limits")] = "warn"
+    return Explanation(verdict=final, explained_by=labels)
+
+
+def calls_of(rows: Table, calls: Table) -> np.ndarray:
+    """Each row's call (its row in `calls`), -1 where it has none."""
+    keys = ("rank", "step")
+    return lookup([*(rows[k] for k in keys), call_directions(rows), rows["seq_a"].astype(np.float64)],
+                  [*(calls[k] for k in keys), calls["direction"], calls["seq_a"].astype(np.float64)])
+
+
+def rows_of(rows: Table, calls: Table, selected: np.ndarray) -> np.ndarray:
+    """The rows of the selected calls."""
+    return gather(selected, calls_of(rows, calls), False).astype(bool)
 
 
 def _before_first(rows: Table, calls: Table, judgement: Judgement) -> np.ndarray:
     """Rows that ran before the rank's first culprit, in execution order (by step, the step's
-    phase, then sequence: parameters, data, forward, backward, the optimizer): those after it may
-    inherit its error, and stay failing where they exceed their limits."""
+    phase, then sequence): those after it may inherit its error, and stay failing where they
+    exceed their limits."""
     before = np.ones(len(rows), bool)
-    row_phase, call_phase = phases(rows["direction"]), phases(calls["direction"])
+    row_phase, call_phase = phases(call_directions(rows)), phases(calls["direction"])
     seq = rows["seq_a"].astype(np.float64)
     for rank in np.unique(calls["rank"][judgement.culprit]).tolist():
         guilty = judgement.culprit & (calls["rank"] == rank)
@@ -32,81 +116,104 @@ def _before_first(rows: Table, calls: Table, judgement: Judgement) -> np.ndarray
     return before
 
 
-def identical_values(rows: Table) -> np.ndarray:
-    """Rows whose two records hold the same bits (equal checksums, both known)."""
-    a, b = rows["checksum_a"].astype(np.int64), rows["checksum_b"].astype(np.int64)
-    return (a == b) & (a != -1) & (b != -1) & isin(rows["pairing"], ("matched", "realigned"))
+def _floors(rows: Table) -> np.ndarray:
+    classes = looser_classes(rows["dtype_a"], rows["dtype_b"]).tolist()
+    return noise_floor(np.array([UNIT_ROUNDOFF[c] if c else 0.0 for c in classes]))
 
 
-def data_differ(rows: Table) -> np.ndarray:
-    """Data records (the batch) of one dtype whose bits differ: the batch is read, not computed, so
-    it holds no rounding noise, and one changed sample in sixteen moves its statistics less than
-    bf16's limits."""
-    known = (rows["checksum_a"] != -1) & (rows["checksum_b"] != -1) & (rows["dtype_a"] == rows["dtype_b"])
-    return (rows["direction"] == "data") & known & ~rows["identical"] & isin(rows["pairing"], ("matched", "realigned"))
+def _gradient_sums_within(rows: Table, identity: np.ndarray, error: np.ndarray, verdict: np.ndarray,
+                          fine: np.ndarray) -> np.ndarray:
+    """Incoming gradients (`grad_output`) within MARGIN × the bound of the sum of what their
+    tensor's readers sent back (identity.py), every one of those explained."""
+    failing_unexplained = (verdict == "fail") & ~fine
+    bound, readers_fail = gradient_sources(rows, identity, error, failing_unexplained)
+    gradient = (rows["direction"] == "backward") & (rows["role"] == "grad_output")
+    with np.errstate(invalid="ignore"):
+        return gradient & ~readers_fail & (error <= MARGIN * np.maximum(bound, _floors(rows)))
 
 
-SAME_NUMERICS = ("device", "device_name", "dtype", "world_size", "numerics", "versions.torch", "versions.torch_npu",
-                 "versions.cann")
+def _clipped_within(rows: Table, error: np.ndarray, fine: np.ndarray) -> np.ndarray:
+    """The gradient an optimizer update reads (input 1: after clipping, which is not dumped): the
+    parameter's gradient times max_norm / ‖all gradients‖, so within MARGIN × (the gradient's
+    error + the error of the total norm), the gradient explained."""
+    update_grad = (rows["direction"] == "optimizer") & (rows["role"] == "input") & (rows["arg_index"] == 1)
+    if not update_grad.any():
+        return update_grad
+    gradients = np.flatnonzero(rows["role"] == "parameter_grad")
+    rank, step = rows["rank"], rows["step"]
+    norm_a, norm_b = rows["norm_a"].astype(np.float64), rows["norm_b"].astype(np.float64)
+    total_error = {}
+    for key in set(zip(rank[gradients].tolist(), step[gradients].tolist())):
+        mine = gradients[(rank[gradients] == key[0]) & (step[gradients] == key[1])]
+        total_a, total_b = np.sqrt(np.nansum(norm_a[mine] ** 2)), np.sqrt(np.nansum(norm_b[mine] ** 2))
+        total_error[key] = abs(total_b - total_a) / total_a if total_a > 0 else (0.0 if total_b == 0 else np.inf)
+    subject = np.char.rpartition(rows["name"].astype(str), "/")[:, 0]
+    keys = ("rank", "step")
+    own = lookup([*(rows[k] for k in keys), subject], [*(rows[k][gradients] for k in keys), subject[gradients]])
+    own_row = np.where(own >= 0, gradients[np.maximum(own, 0)], -1)
+    gradient_error = gather(np.where(np.isnan(error), 0.0, error), own_row, np.nan)
+    total = np.array([total_error.get(key, np.nan) for key in zip(rank.tolist(), step.tolist())])
+    with np.errstate(invalid="ignore"):
+        within = error <= MARGIN * np.maximum(gradient_error + total, _floors(rows))
+    return update_grad & (own_row >= 0) & gather(fine, own_row, False) & within
 
 
-def bit_comparable(rows: Table, diff: list, manifest: dict) -> bool:
-    """The two runs compute bit for bit alike: the same device, dtype, threads and numerics switches
-    and torch (their manifests agree on SAME_NUMERICS), deterministic algorithms on an accelerator
-    (atomics make its runs differ from one another), and the first forward API call of the first
-    step (in a module-level dump, its first module holding no other) is handed and returns the same
-    bits on both sides. `manifest`: A's."""
-    if any(key.split(".")[0] in SAME_NUMERICS or key in SAME_NUMERICS for key, _, _ in diff):
-        return False
-    if manifest.get("device", "cpu") != "cpu" and not (manifest.get("numerics") or {}).get("deterministic_algorithms"):
-        return False
-    known = (rows["checksum_a"] != -1) & (rows["checksum_b"] != -1) & (rows["direction"] == "forward")
-    known &= isin(rows["pairing"], ("matched", "realigned"))
-    module_call = np.char.startswith(rows["api"].astype(str), "Module.")
-    first = known & ~module_call  # a module's output comes at its end
-    if not first.any():
-        paths = rows["module"].astype(str)
-        parents = {".".join(parts[:n]) for path in set(paths[known].tolist())
-                   for parts in [path.split(".") if path else []] for n in range(len(parts))}
-        first = known & ~isin(paths, parents)
-    if not first.any():
-        return False
-    first &= rows["step"] == rows["step"][first].min()
-    first &= rows["seq_a"] == rows["seq_a"][first].min()
-    return bool(rows["identical"][first].all())
+def _states_within(rows: Table, fine: np.ndarray) -> np.ndarray:
+    """An update's state tensors (inputs 2 on) hold what the update of the step before left: the
+    same bits as its explained output of the same index."""
+    update = rows["direction"] == "optimizer"
+    states = update & (rows["role"] == "input") & (rows["arg_index"] >= 2)
+    outputs = np.flatnonzero(update & (rows["role"] == "output") & (rows["arg_index"] >= 2))
+    if not states.any() or not len(outputs):
+        return np.zeros(len(rows), bool)
+    keys = ("rank", "name", "arg_index", "checksum_a", "checksum_b")
+    previous = lookup([rows["step"] - 1, *(rows[k] for k in keys)],
+                      [rows["step"][outputs], *(rows[k][outputs] for k in keys)])
+    known = (rows["checksum_a"] != -1) & (rows["checksum_b"] != -1)
+    before = np.where(previous >= 0, outputs[np.maximum(previous, 0)], -1)
+    return states & known & (previous >= 0) & gather(fine, before, False)
 
 
-def rows_of(rows: Table, calls: Table, selected: np.ndarray) -> np.ndarray:
-    """The rows of the selected calls."""
-    keys = ("rank", "step", "direction")
-    call = lookup([*(rows[k] for k in keys), rows["seq_a"].astype(np.float64)],
-                  [*(calls[k] for k in keys), calls["seq_a"].astype(np.float64)])
-    return gather(selected, call, False).astype(bool)
+def _made_inside(rows: Table, calls: Table, call: np.ndarray, judgement: Judgement,
+                 producer: np.ndarray) -> np.ndarray:
+    """Forward inputs no dumped call produced (calls filtered out or on one side only, ops
+    `torch.ops`, extension kernels) read inside modules, where every module around them stayed
+    within its bound (judge.py: `inside`)."""
+    candidates = np.flatnonzero((rows["direction"] == "forward") & (rows["role"] == "input") & (call >= 0)
+                                & (producer < 0))
+    explained = np.zeros(len(rows), bool)
+    if not len(candidates):
+        return explained
+    parent = enclosing_modules(calls)
+    for row in candidates.tolist():
+        module, inside = parent[call[row]], False
+        while module >= 0 and judgement.within[module] == "inside":
+            inside, module = True, parent[module]
+        explained[row] = inside and module < 0
+    return explained
 
 
-def _explained(rows: Table, calls: Table, judgement: Judgement) -> np.ndarray:
-    """Rows whose difference the noise model explains: results of calls judged within noise (the
-    parameters and data included) and the same tensors where later calls read them (equal checksum
-    in the step), gradients flowing into calls (autograd sums the results of calls judged on their
-    own), parameter gradients, and the optimizer's inputs (the parameter, its gradient after the
-    clipping, which is not dumped, and the states of the update before). Forward inputs nothing
-    produced are not explained."""
-    call_explained = rows_of(rows, calls, judgement.explained)
-    role, step = rows["role"], rows["step"]
-    produced = (isin(role, (*OUTPUT_ROLES, "parameter")) & call_explained) | (role == "parameter_grad")
-    checksum = rows["checksum_a"].astype(np.int64)
-    known = checksum != -1
-    producers = set(zip(rows["rank"][produced & known].tolist(), step[produced & known].tolist(),
-                        checksum[produced & known].tolist()))
-    same_tensor = np.array([(r, s, c) in producers for r, s, c in
-                            zip(rows["rank"].tolist(), step.tolist(), checksum.tolist())], bool) & known
-    forward_input = (role == "input") & (rows["direction"] == "forward")
-    optimizer_input = (role == "input") & (rows["direction"] == "optimizer")
-    return (produced | (role == "grad_output") | optimizer_input
-            | (forward_input & (same_tensor | (~known & call_explained))))
+# What an unexplained failing record is, by its role: where its difference came from
+_SOURCES = {
+    "input": "an input that no dumped call produced: the model's inputs, or an operation that was not dumped",
+    "grad_output": "a gradient flowing into the call that its readers' dumped gradients do not explain: a "
+                   "hook, gradient accumulation, or a backward operation that was not dumped",
+    "parameter_grad": "a parameter's gradient that no dumped backward call explains: gradient accumulation, "
+                      "all-reduce, a hook, or an operation that was not dumped",
+}
 
 
-def explained_rows(rows: Table, calls: Table, judgement: Judgement) -> np.ndarray:
-    """Failing rows the noise model explains: before the first culprit, not in a module around one."""
-    explained = _explained(rows, calls, judgement) & (rows["verdict"] == "fail") & _before_first(rows, calls, judgement)
-    return explained & ~rows_of(rows, calls, containing(calls, judgement.culprit))
+def unexplained_source(rows: Table, calls: Table, stack_of) -> tuple[CallRef | None, str]:
+    """The call of the first failing row in execution order, where no call is a culprit, and a
+    note saying what that row is: the unrecorded operation or input that parted first."""
+    from pi0align.compare.rootcause import call_ref
+
+    failing = np.flatnonzero(rows["verdict"] == "fail")
+    order = np.lexsort((rows["seq_a"][failing].astype(np.float64), phases(call_directions(rows))[failing],
+                        rows["step"][failing], rows["rank"][failing]))
+    row = int(failing[order[0]])
+    call = calls_of(rows, calls)[row]
+    what = _SOURCES.get(str(rows["role"][row]), "a record that no call's bound explains")
+    note = (f"no call introduces error beyond noise, but {rows['name'][row]} (step {rows['step'][row]}, "
+            f"{rows['role'][row]} {rows['arg_index'][row]}) differs: {what}")
+    return (call_ref(calls, int(call), stack_of) if call >= 0 else None), note

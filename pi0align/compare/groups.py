@@ -23,8 +23,11 @@ SYSTEMATIC_SHARE = 0.5  # most of an API's calls introduce error: its kernel, no
 TF32_ERRORS = (1e-5, 1e-2)  # TF32 keeps 10 mantissa bits: a matmul's error ~1e-4 .. 1e-3
 
 
-def family(api: str) -> str:
-    """The group an API's culprits join: "matmul family" for the matmul-like kernels, else the API."""
+def family(api: str, kind: str = "call") -> str:
+    """The group a culprit joins: "matmul family" for the matmul-like kernels, "Optimizer.step" for
+    the optimizer's updates (recorded, or stood for by the parameters they made), else its API."""
+    if kind == "optimizer":
+        return "Optimizer.step"
     return "matmul family" if api.rsplit(".", 1)[-1] in MATMUL_FAMILY else api
 
 
@@ -33,7 +36,8 @@ def culprit_groups(calls: Table, judgement: Judgement,
     """The groups, most culprits first. hyper_parameters: the optimizer settings that differ."""
     if not judgement:
         return []
-    families = np.array([family(api) for api in calls["api"].astype(str).tolist()], dtype=object)
+    families = np.array([family(api, kind) for api, kind in zip(calls["api"].astype(str).tolist(),
+                                                                calls["kind"].tolist())], dtype=object)
     introduces = calls["outputs_fail"] & (calls["introduced_error"] > 1)
     groups = []
     for kind, api in sorted({(k, f) for k, f in zip(calls["kind"][judgement.culprit].tolist(),
@@ -44,17 +48,21 @@ def culprit_groups(calls: Table, judgement: Judgement,
         unit = float(np.max(np.maximum(calls["unit_a"][guilty], calls["unit_b"][guilty])))
         typical_error = float(np.median(calls["output_error"][guilty]))
         names = calls["name"][guilty].tolist()
+        unrecorded = sorted({(int(p), int(s)) for p, s in zip(calls["previous_step"][guilty].tolist(),
+                                                               calls["step"][guilty].tolist()) if p >= 0})
         groups.append(CulpritGroup(
             kind=kind, api=api, count=int(guilty.sum()), calls=int(members.sum()), share_introducing=share,
             median_ratio=float(np.median(judgement.blame[guilty])), median_output_error=typical_error,
-            hint=hint(kind, api, share, int(members.sum()), unit, typical_error, hyper_parameters, names),
+            hint=hint(kind, api, share, int(members.sum()), unit, typical_error, hyper_parameters, names, unrecorded),
             examples=list(dict.fromkeys(names))[:3]))
     return sorted(groups, key=lambda g: -g.count)
 
 
 def hint(kind: str, api: str, share: float, calls: int, unit: float, typical_error: float,
-         hyper_parameters: list[tuple[str, object, object]], names: list[str]) -> str:
-    """What a known pattern usually means ("" when the group is not one); `names`: its culprits'."""
+         hyper_parameters: list[tuple[str, object, object]], names: list[str],
+         unrecorded: list[tuple[int, int]] = ()) -> str:
+    """What a known pattern usually means ("" when the group is not one); `names`: its culprits';
+    `unrecorded`: the (step, next dumped step) pairs whose updates were not recorded."""
     systematic = share >= SYSTEMATIC_SHARE and calls >= 2
     if kind == "call":
         if api == "matmul family" and systematic and unit == UNIT_ROUNDOFF["float32"] \
@@ -66,6 +74,13 @@ def hint(kind: str, api: str, share: float, calls: int, unit: float, typical_err
             return (f"most calls of {api} introduce error: its kernel differs on one side (implementation, "
                     "precision mode), not one call site")
         return ""
+    if kind == "optimizer" and unrecorded:
+        between = ", ".join(f"step {a} and {b}" for a, b in unrecorded)
+        gap = any(b - a > 1 for a, b in unrecorded)
+        return (f"the parameters part between {between} while they and their gradients agreed before: the "
+                "optimizer's update differs (its hyper-parameters or implementation"
+                + (", or the steps that were not dumped" if gap else "") + "); it was not recorded: pass "
+                "optimizer= to Dumper.start to see its states and hyper-parameters")
     if kind == "optimizer":
         if hyper_parameters:
             listed = ", ".join(f"{key} {a!r} in A, {b!r} in B" for key, a, b in hyper_parameters)
@@ -80,6 +95,9 @@ def hint(kind: str, api: str, share: float, calls: int, unit: float, typical_err
                 "preprocessing, or the dataset itself (the manifests' dataset_fingerprint)",
         "initial_weights": "the runs start from other weights: another seed, checkpoint or initialisation "
                            "(the manifests' seed and weights_sha256)",
-        "parameters": "parameters differ where nothing dumped changed them: steps that were not dumped, a "
-                      "checkpoint loaded, weights written in place outside the optimizer",
+        "parameters": "parameters differ where nothing dumped changed them: a checkpoint loaded, weights "
+                      "written in place outside the optimizer",
+        "gradient": f"parameters' gradients ({keys}) differ beyond what the backward calls that computed them "
+                    "explain: gradient accumulation, all-reduce, a hook on the gradient, or a backward operation "
+                    "that was not dumped",
     }.get(kind, "")

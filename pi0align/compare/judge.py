@@ -45,11 +45,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pi0align.compare.table import Groups, Table
+from pi0align.compare.bounds import MARGIN, noise_floor
+from pi0align.compare.modules import innermost, is_module
+from pi0align.compare.table import Groups, Table, isin
 from pi0align.compare.thresholds import UNIT_ROUNDOFF
 
 NOISE_MODELS = ("replay", "exact", "reference", "intrinsic")
-AMPLIFICATION = 10.0  # a call that multiplies the error it receives tenfold introduces error
 STANDOUT = 4.0  # introduced error ≥ 4 × the median of its API's calls
 FAMILY_UNITS = 256.0  # an API whose typical output error is this many unit roundoffs is off as a family
 MIN_PEERS = 4  # fewer calls of an API than this: no median to stand out from
@@ -67,7 +68,7 @@ def replay_ratio_limit(unit: np.ndarray) -> np.ndarray:
 
 
 def replay_floor(unit: np.ndarray) -> np.ndarray:
-    return np.where(np.isin(unit, _HALF), 3.0, 16.0) * unit
+    return noise_floor(unit)
 
 
 def wrong_sides(e_a: np.ndarray, e_b: np.ndarray, u_a: np.ndarray, u_b: np.ndarray):
@@ -83,52 +84,112 @@ def wrong_sides(e_a: np.ndarray, e_b: np.ndarray, u_a: np.ndarray, u_b: np.ndarr
 @dataclass(frozen=True)
 class Judgement:
     """Per call (rows of the calls table): culprit or not, by which evidence, which side is wrong
-    (replay: "A" or "B"; "" otherwise), and the blame to rank culprits by (the local error ratio
-    where replayed, the introduced error elsewhere)."""
+    (replay: "A" or "B"; "" otherwise), the blame to rank culprits by (the local error ratio
+    where replayed, the introduced error elsewhere), and for the others why they are within noise
+    (`within`, one of WITHIN: explain.py labels their results with it)."""
 
     culprit: np.ndarray
     evidence: np.ndarray
     wrong_side: np.ndarray
     blame: np.ndarray
-    explained: np.ndarray  # judged within noise: its outputs' differences are inherited or rounding
-    # (explain.py leaves out the modules around a culprit, and every call after the first)
+    within: np.ndarray
 
     def __bool__(self) -> bool:
         return bool(self.culprit.any())
 
 
+# Why a call that is no culprit is within noise:
+WITHIN = {
+    "replay": "replayed in float64, its kernel is as close as the other side's",
+    "bound": "its output error is within what its inputs and rounding explain (bounds.py)",
+    "peers": "it introduces no more than the other calls of its API (its API's noise)",
+    "inside": "a module whose calls are judged on their own, and nothing undumped inside it parted",
+    "step": "an optimizer update that moved its parameter no further than one step of its optimizer can",
+    "unsourced": "",  # what made its input is not known: nothing explains its result
+}
+
+
 def judge(calls: Table, fallback: str, exact: bool = False) -> Judgement:
-    """Judge every call: by its bits where the runs are bit-comparable (`exact`), by replay where
-    both sides were replayed, else by `fallback` ("reference" or "intrinsic")."""
+    """Judge every call: by replay where both sides were replayed, else by its bound (bounds.py)
+    under `fallback` ("reference" or "intrinsic"), and, where the runs are bit-comparable
+    (`exact`), also by its bits."""
     e_a, e_b = calls["local_error_a"].astype(np.float64), calls["local_error_b"].astype(np.float64)
     u_a, u_b = calls["unit_a"].astype(np.float64), calls["unit_b"].astype(np.float64)
     replayed = ~np.isnan(e_a) & ~np.isnan(e_b)
     b_wrong, a_wrong, local_ratio = wrong_sides(e_a, e_b, u_a, u_b)
     b_wrong &= replayed
     a_wrong &= replayed
-    module = np.char.startswith(calls["api"].astype(str), "Module.")
-    with_calls_inside = module & _with_calls_below(calls, ~module)  # judged by the calls made inside it
+    module = is_module(calls)
+    held = calls["with_calls_inside"].astype(bool)
     # bit-comparable runs compute alike: identical inputs and differing outputs prove a change,
-    # however small (TF32 rounding that the statistics hardly see, two elements swapped), and a
-    # kernel handed differing inputs only passes on what it was handed
-    changed = calls["inputs_identical"] & calls["outputs_differ"] & ~with_calls_inside
-    kind, introduces = calls["kind"], introduces_error(calls)
-    kernels = changed if exact else introduces & stands_out(calls)
-    updates = introduces & (calls["inputs_identical"] | updates_off(calls))
+    # however small (TF32 rounding that the statistics hardly see, two elements swapped)
+    changed = calls["inputs_identical"] & calls["outputs_differ"] & ~held
+    kind, beyond = calls["kind"], beyond_bound(calls)
+    off = family_off(calls)
+    peers = stands_out(calls) | off
+    kernels = np.where(held, beyond, beyond & peers) | (changed if exact else False)
+    # an update is wrong when it moved its parameter further than any step of its optimizer can
+    # (bounds.step_bounds), or, beyond its gain, where its inputs agree bit for bit or every update
+    # of the step is off (another epsilon); Adam's update is scale-free, so one update beyond its
+    # gain within its step is the noise of its gradient's signs
+    with np.errstate(invalid="ignore"):
+        beyond_step = calls["outputs_fail"] & (calls["parameter_error"] > calls["step_bound"])
+    updates = (beyond & (calls["inputs_identical"] | updates_off(calls))) | beyond_step
+    sourced = calls["sourced"].astype(bool)
     rule = np.select([kind == "call", kind == "optimizer", kind == "data"], [kernels, updates, calls["outputs_fail"]],
-                     introduces)  # the parameters
+                     beyond & sourced)  # the parameters, the initial weights, the gradients
     # told other arguments (a scale, an epsilon): computes something else, however right its kernel;
     # an optimizer told other hyper-parameters is a setup that differs, whatever its outputs show
     other_arguments = calls["args_differ"] & (calls["outputs_fail"] | (kind == "optimizer")) & ~module
-    by_bits = exact & changed & (kind == "call") & ~replayed
-    judged = np.where(replayed, b_wrong | a_wrong, rule & ~with_calls_inside)
+    by_bits = exact & changed & (kind == "call") & ~replayed & ~(beyond & peers)
+    judged = np.where(replayed, b_wrong | a_wrong, rule)
+    # downstream of a culprit, statistics cannot tell the error a call inherited from error it
+    # adds (a LayerNorm's output keeps its norm whatever its elements hold): there a call judged
+    # by statistics is blamed by its bits alone, unless its whole API is off
+    by_statistics = (calls["metric"] == "stats_rel_err") & ~replayed & isin(kind, ("call", "gradient"))
+    inherited = by_statistics & after_first(calls, innermost(calls, judged)) & ~off
+    judged &= ~inherited | (changed & exact)
     culprit = innermost(calls, judged | other_arguments)
     evidence = np.where(other_arguments, "arguments", np.where(by_bits, "exact",
                         np.where(replayed, "replay", fallback))).astype(object)
     wrong = np.where(b_wrong, "B", np.where(a_wrong, "A", "")).astype(object)
     blame = np.where(replayed & ~other_arguments, local_ratio, calls["introduced_error"].astype(np.float64))
     wrong[evidence != "replay"] = ""
-    return Judgement(culprit=culprit, evidence=evidence, wrong_side=wrong, blame=blame, explained=~culprit)
+    update = kind == "optimizer"
+    within = np.select([culprit, replayed, ~sourced, held & ~beyond, beyond & (kind == "call") & ~peers,
+                        beyond & update & np.isfinite(calls["step_bound"]), beyond & update],
+                       ["", "replay", "unsourced", "inside", "peers", "step", "peers"], "bound").astype(object)
+    return Judgement(culprit=culprit, evidence=evidence, wrong_side=wrong, blame=blame, within=within)
+
+
+SAME_NUMERICS = ("device", "device_name", "dtype", "world_size", "numerics", "versions.torch", "versions.torch_npu",
+                 "versions.cann")
+
+
+def bit_comparable(rows: Table, identical: np.ndarray, diff: list, manifest: dict) -> bool:
+    """The two runs compute bit for bit alike: the same device, dtype, threads and numerics switches
+    and torch (their manifests agree on SAME_NUMERICS), deterministic algorithms on an accelerator
+    (atomics make its runs differ from one another), and the first forward API call of the first
+    step (in a module-level dump, its first module holding no other) is handed and returns the same
+    bits on both sides. `manifest`: A's."""
+    if any(key.split(".")[0] in SAME_NUMERICS or key in SAME_NUMERICS for key, _, _ in diff):
+        return False
+    if manifest.get("device", "cpu") != "cpu" and not (manifest.get("numerics") or {}).get("deterministic_algorithms"):
+        return False
+    known = (rows["checksum_a"] != -1) & (rows["checksum_b"] != -1) & (rows["direction"] == "forward")
+    known &= isin(rows["pairing"], ("matched", "realigned"))
+    module_call = np.char.startswith(rows["api"].astype(str), "Module.")
+    first = known & ~module_call  # a module's output comes at its end
+    if not first.any():
+        paths = rows["module"].astype(str)
+        parents = {".".join(parts[:n]) for path in set(paths[known].tolist())
+                   for parts in [path.split(".") if path else []] for n in range(len(parts))}
+        first = known & ~isin(paths, parents)
+    if not first.any():
+        return False
+    first &= rows["step"] == rows["step"][first].min()
+    first &= rows["seq_a"] == rows["seq_a"][first].min()
+    return bool(identical[first].all())
 
 
 def noise_model(judgement: Judgement, fallback: str) -> str:
@@ -137,20 +198,19 @@ def noise_model(judgement: Judgement, fallback: str) -> str:
     return "replay" if "replay" in used else "exact" if "exact" in used else fallback
 
 
-def introduces_error(calls: Table) -> np.ndarray:
-    """Outputs fail while the inputs pass, or the call amplifies the error it receives tenfold; in
-    both cases more error leaves the call than enters it (an exact cast from bf16 to fp32 passes
-    on its bf16 input's error, judged against fp32's tighter limits, and introduces none)."""
-    introduced = calls["introduced_error"]
-    gain = np.where(calls["kind"] == "optimizer", OPTIMIZER_GAIN, 1.0)
-    return calls["outputs_fail"] & (introduced > gain) & (calls["inputs_pass"] | (introduced >= AMPLIFICATION))
+def beyond_bound(calls: Table) -> np.ndarray:
+    """Calls whose failing outputs hold more error than their inputs (through their condition) and
+    rounding explain (bounds.py), by more than MARGIN (OPTIMIZER_GAIN for the optimizer), whatever
+    their inputs hold; for a module holding calls, what entered it from no dumped call."""
+    gain = np.where(calls["kind"] == "optimizer", OPTIMIZER_GAIN, MARGIN)
+    failing = np.where(calls["with_calls_inside"], calls["inside_error"] > 0, calls["outputs_fail"])
+    return failing & (calls["introduced_error"] > gain)
 
 
 def stands_out(calls: Table) -> np.ndarray:
     """Introduced error ≥ STANDOUT × the median of its peers: the calls of the same API and
     direction under other names (the same call at another step is no peer: a faulty kernel is
-    faulty at every step); every call with fewer than MIN_PEERS peers; every call of an API that is
-    off as a family (`family_off`)."""
+    faulty at every step); every call with fewer than MIN_PEERS peers."""
     family = Groups(calls["api"], calls["direction"])
     introduced = calls["introduced_error"].astype(np.float64)
     typical, peers = np.full(len(calls), np.nan), np.zeros(len(calls), np.int64)
@@ -163,7 +223,24 @@ def stands_out(calls: Table) -> np.ndarray:
             if len(others):
                 typical[members[own]] = np.nanmedian(others) if not np.isnan(others).all() else np.nan
     with np.errstate(invalid="ignore"):
-        return (peers < MIN_PEERS) | family_off(calls, family) | (introduced >= STANDOUT * typical)
+        return (peers < MIN_PEERS) | (introduced >= STANDOUT * typical)
+
+
+def after_first(calls: Table, selected: np.ndarray) -> np.ndarray:
+    """Calls that ran after their rank's first selected call, in execution order (by step, the
+    step's phase, then sequence)."""
+    from pi0align.compare.rootcause import phases
+
+    after = np.zeros(len(calls), bool)
+    phase = phases(calls["direction"])
+    for rank in np.unique(calls["rank"][selected]).tolist():
+        mine = selected & (calls["rank"] == rank)
+        step, first_phase, seq = min(zip(calls["step"][mine].tolist(), phase[mine].tolist(),
+                                         calls["seq_a"][mine].tolist()))
+        later = (calls["step"] > step) | ((calls["step"] == step) & (
+            (phase > first_phase) | ((phase == first_phase) & (calls["seq_a"] > seq))))
+        after |= (calls["rank"] == rank) & later
+    return after
 
 
 def updates_off(calls: Table) -> np.ndarray:
@@ -174,50 +251,17 @@ def updates_off(calls: Table) -> np.ndarray:
         return (step.median(introduced) > OPTIMIZER_GAIN)[step.codes]
 
 
-def family_off(calls: Table, family: Groups) -> np.ndarray:
-    """The calls of APIs whose typical call adds error (median introduced error ≥ 2) far beyond its
-    dtype's rounding (median output error ≥ FAMILY_UNITS unit roundoffs): every matmul of an fp32
-    run on TF32 inputs (TF32 keeps 10 mantissa bits: ~1e-4 to 1e-3 where fp32 rounding gives 1e-7).
-    In half precision FAMILY_UNITS roundoffs are beyond any error this measures: the rule is fp32's."""
+def family_off(calls: Table) -> np.ndarray:
+    """The calls of APIs whose typical call is beyond its bound (median introduced error above
+    MARGIN) and, in float32, far beyond its dtype's rounding (median output error ≥ FAMILY_UNITS
+    unit roundoffs): every matmul of an fp32 run on TF32 inputs (TF32 keeps 10 mantissa bits:
+    ~1e-4 to 1e-3 where fp32 rounding gives 1e-7), every layer_norm of a bf16 run 3 % off. In
+    half precision the bound's floor (3 u) is already the dtype's rounding."""
+    family = Groups(calls["api"], calls["direction"])
     unit = np.maximum(calls["unit_a"], calls["unit_b"]).astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         in_units = calls["output_error"].astype(np.float64) / np.where(unit > 0, unit, np.nan)
-    adds = family.median(calls["introduced_error"].astype(np.float64)) >= 2.0
-    far = family.median(in_units) >= FAMILY_UNITS
+    far_units = np.where(np.isin(unit, _HALF), 0.0, FAMILY_UNITS)
+    adds = family.median(calls["introduced_error"].astype(np.float64)) > MARGIN
+    far = family.median(in_units) >= family.max(far_units)
     return (adds & far)[family.codes]
-
-
-def _with_calls_below(calls: Table, members: np.ndarray) -> np.ndarray:
-    """Calls whose module path (or one below it) holds one of `members` in the same rank, step and
-    direction: in backward, a module's row may open after the rows of the calls inside it."""
-    key = lambda i: (int(calls["rank"][i]), int(calls["step"][i]), str(calls["direction"][i]))
-    below = set()
-    for i in np.flatnonzero(members).tolist():
-        parts = str(calls["module"][i]).split(".") if calls["module"][i] else []
-        below.update((*key(i), ".".join(parts[:n])) for n in range(len(parts) + 1))
-    return np.array([(*key(i), str(calls["module"][i])) in below for i in range(len(calls))], bool)
-
-
-def innermost(calls: Table, selected: np.ndarray) -> np.ndarray:
-    """`selected` without the module calls inside which another selected call ran."""
-    return selected & ~containing(calls, selected)
-
-
-def containing(calls: Table, members: np.ndarray) -> np.ndarray:
-    """The module calls inside which one of `members` ran.
-
-    A module invocation at path P spans the later calls (same rank, step, direction) made in P or
-    below it, up to the first call elsewhere or P's next invocation. `calls` is in execution order.
-    """
-    module_api = np.char.startswith(calls["api"].astype(str), "Module.")
-    found = np.zeros(len(calls), bool)
-    modules = calls["module"].astype(str)
-    for i in np.flatnonzero(module_api):
-        path, seq = modules[i], calls["seq_a"][i]
-        later = ((calls["rank"] == calls["rank"][i]) & (calls["step"] == calls["step"][i])
-                 & (calls["direction"] == calls["direction"][i]) & (calls["seq_a"] > seq))
-        inside = (modules == path) | np.char.startswith(modules, path + ".") if path else np.ones(len(modules), bool)
-        ends = later & (~inside | (module_api & (modules == path)))
-        end = calls["seq_a"][ends].min() if ends.any() else np.inf
-        found[i] = bool((later & inside & (calls["seq_a"] < end) & members).any())
-    return found

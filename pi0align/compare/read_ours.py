@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -25,6 +26,9 @@ from pi0align.errors import UserError
 # What compare reads at once: calls' arguments are read when asked for, records' skip reasons never.
 _CALL_COLUMNS = [c for c in CALL_TYPES if c != "args"]
 _RECORD_COLUMNS = [c for c in RECORD_TYPES if c != "skipped"]
+
+
+OPEN_DATASETS = 64
 
 
 def is_pi0align_file(path: Path) -> bool:
@@ -76,23 +80,22 @@ def _read(f: h5py.File, path: Path, steps: set[int] | None) -> Dump:
         stacks.update(step_stacks)
     records = Table.concat(tables) if tables else no_records()
 
-    # Opened once each: a step's tensor group (an external link, a file to open) and its datasets,
-    # which the metrics and the replay both read.
+    # A step's tensor group (an external link, a file to open) is opened once; datasets are kept
+    # open only while recent (the metrics read each once, the replay what recent calls made): an
+    # open HDF5 dataset holds tens of kilobytes, thousands of them hundreds of megabytes.
     groups: dict[tuple[int, str], h5py.Group] = {}
-    datasets: dict[tuple[int, str], object] = {}
 
+    @functools.lru_cache(maxsize=OPEN_DATASETS)
     def tensor_reader(step: int, tensor: str):
-        found = datasets.get((step, tensor))
-        if found is None:
-            folder, _, name = tensor.rpartition("/")
-            group = groups.get((step, folder))
-            if group is None:
-                step_tables = f[step_group(step)]
-                group = groups[(step, folder)] = step_tables[folder] if folder else step_tables
-            ds = group[name]
-            bfloat16 = _text(ds.attrs.get("dtype", "")) == "bfloat16"
-            found = datasets[(step, tensor)] = Bfloat16Array(ds) if bfloat16 else ds
-        return found
+        import hdf5plugin  # noqa: F401 - registers the Zstandard filter the tensors are written with
+
+        folder, _, name = tensor.rpartition("/")
+        group = groups.get((step, folder))
+        if group is None:
+            step_tables = f[step_group(step)]
+            group = groups[(step, folder)] = step_tables[folder] if folder else step_tables
+        ds = group[name]
+        return Bfloat16Array(ds) if _text(ds.attrs.get("dtype", "")) == "bfloat16" else ds
 
     def sample_reader(step: int) -> tuple[np.ndarray, np.ndarray]:
         samples = f[step_group(step)]["samples"]

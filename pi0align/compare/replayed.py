@@ -1,8 +1,8 @@
 """Each side's local error per call, from the replay part (pi0align/replay, imported here only:
 the one place a comparison imports torch), for dumps that hold full tensors.
 
-For every paired forward or backward API call, each side's own recorded inputs (and, backward,
-its own incoming gradients) are replayed in float64 on the CPU; the local error of each result is
+For every paired forward or backward API call and optimizer update, each side's own recorded
+inputs (and, backward, its own incoming gradients) are replayed in float64 on the CPU; the local error of each result is
 written on its row (`local_error_a`, `local_error_b`), and why a call was not replayed in `replay`.
 """
 
@@ -13,43 +13,63 @@ from collections.abc import Callable
 
 import numpy as np
 
+from pi0align.compare.memory import HeapTrimmer
+from pi0align.compare.metrics import TENSOR_METRICS, tensor_metrics
 from pi0align.compare.records import Dump
-from pi0align.compare.table import Table
+from pi0align.compare.table import Table, gather
 
-RESULT_ROLES = {"forward": "output", "backward": "grad_input"}
-_CACHE_BYTES = 256 << 20  # decoded tensors kept per side: a call's inputs are mostly recent outputs
+RESULT_ROLES = {"forward": "output", "backward": "grad_input", "optimizer": "output"}
+_CACHE_BYTES = 64 << 20  # decoded tensors kept per side: a call's inputs are mostly recent outputs
 
 
-def local_errors(rows: Table, a: Dump, b: Dump, ia: np.ndarray, ib: np.ndarray, judged: np.ndarray,
-                 advance: Callable[[], None]) -> dict[str, np.ndarray]:
-    """Columns local_error_a, local_error_b (NaN where not replayed) and replay (why not, "")."""
+def measure_and_replay(rows: Table, a: Dump, b: Dump, ia: np.ndarray, ib: np.ndarray, judged: np.ndarray,
+                       advance: Callable[[], None]) -> dict[str, np.ndarray]:
+    """One pass over the paired calls, in execution order, each side's tensors of a call read once
+    (and recent ones kept, for the calls that read them next): the tensor metrics of each row
+    with full tensors on both sides (TENSOR_METRICS columns, NaN elsewhere), each side's local error
+    of each result (local_error_a, local_error_b; NaN where not replayed), and why a call was not
+    replayed (replay, "" where it was). `advance()` after each tensor pair and each call."""
     from pi0align.replay import replay
 
     n = len(rows)
     columns = {"local_error_a": np.full(n, np.nan), "local_error_b": np.full(n, np.nan),
-               "replay": np.full(n, "", dtype=object)}
-    direction, role = rows["direction"], rows["role"]
-    result_row = judged & (ia >= 0) & (ib >= 0) & (
-        ((direction == "forward") & (role == "output")) | ((direction == "backward") & (role == "grad_input")))
+               "replay": np.full(n, "", dtype=object), **{m: np.full(n, np.nan) for m in TENSOR_METRICS}}
+    direction, role, steps = rows["direction"], rows["role"], rows["step"]
+    paired = judged & (ia >= 0) & (ib >= 0)
+    result_row = np.zeros(n, bool)
+    for way, result_role in RESULT_ROLES.items():
+        result_row |= (direction == way) & (role == result_role)
+    tensor_a, tensor_b = (np.where(paired, gather(d.records["tensor"], index, ""), "")
+                          for d, index in ((a, ia), (b, ib)))
+    stored = paired & (tensor_a != "") & (tensor_b != "")
     sides = (RecordedCalls(a), RecordedCalls(b))
-    calls_a, calls_b = a.records["call"], b.records["call"]
+    calls_a, calls_b = gather(a.records["call"], ia, -1), gather(b.records["call"], ib, -1)
     groups: dict[tuple, list[int]] = {}
-    for row in np.flatnonzero(result_row).tolist():
-        key = (int(rows["step"][row]), str(direction[row]), int(calls_a[ia[row]]), int(calls_b[ib[row]]))
-        groups.setdefault(key, []).append(row)
-    for (step, way, call_a, call_b), members in groups.items():
-        results = []
-        for side, call in zip(sides, (call_a, call_b)):
-            recorded = side.recorded(step, call, way)
-            results.append(recorded if isinstance(recorded, str) else replay(recorded))
-        reasons = [r if isinstance(r, str) else r.reason for r in results]
-        for row in members:
-            k = int(rows["arg_index"][row])
-            for column, result in zip(("local_error_a", "local_error_b"), results):
-                if not isinstance(result, str) and result:
-                    columns[column][row] = result.errors.get(k, np.nan)
-            columns["replay"][row] = _why_not(*reasons)
-        advance()
+    for row in np.flatnonzero(stored | (paired & result_row)).tolist():
+        groups.setdefault((int(steps[row]), int(calls_a[row]), int(calls_b[row]), str(direction[row])), []).append(row)
+    trim = HeapTrimmer()
+    for (step, call_a, call_b, way), members in sorted(groups.items()):
+        for row in (r for r in members if stored[r]):
+            measured = tensor_metrics(*(side.array(step, str(paths[row])) for side, paths in
+                                        zip(sides, (tensor_a, tensor_b))))
+            for metric, value in measured.items():
+                columns[metric][row] = value
+            advance()
+        results = [r for r in members if result_row[r]]
+        if results and way in RESULT_ROLES:
+            replayed = []
+            for side, call in zip(sides, (call_a, call_b)):
+                recorded = side.recorded(step, call, way)
+                replayed.append(recorded if isinstance(recorded, str) else replay(recorded))
+            reasons = [r if isinstance(r, str) else r.reason for r in replayed]
+            for row in results:
+                k = int(rows["arg_index"][row])
+                for column, result in zip(("local_error_a", "local_error_b"), replayed):
+                    if not isinstance(result, str) and result:
+                        columns[column][row] = result.errors.get(k, np.nan)
+                columns["replay"][row] = _why_not(*reasons)
+            advance()
+        trim()
     return columns
 
 
@@ -94,7 +114,7 @@ class RecordedCalls:
         records = self.dump.records
         own = self.records_of.get((step, call), [])
         first = own[0]
-        forward = call if direction == "forward" else self.forward_of.get((step, str(records["name"][first])))
+        forward = call if direction != "backward" else self.forward_of.get((step, str(records["name"][first])))
         if forward is None:
             return "forward call not dumped"
         try:
@@ -115,10 +135,11 @@ class RecordedCalls:
             path = str(records["tensor"][i])
             if not path:
                 raise LookupError(f"{role} {int(records['arg_index'][i])} not dumped in full")
-            found[int(records["arg_index"][i])] = self._read(step, path)
+            found[int(records["arg_index"][i])] = self.array(step, path)
         return found
 
-    def _read(self, step: int, path: str) -> np.ndarray:
+    def array(self, step: int, path: str) -> np.ndarray:
+        """A tensor of this dump, decoded (kept while recent)."""
         key = (step, path)
         if key in self.cache:
             self.cache.move_to_end(key)

@@ -36,6 +36,7 @@ ROW_COLUMNS = [
     "local_error_a", "local_error_b",  # float: replay, a result's error against float64 from its side's own inputs
     "replay",  # str: why the call was not replayed ("" when it was, or when there was nothing to replay)
     "over_dtype_limits",  # bool: the pair exceeds the fixed dtype limits (noise models may still pass it)
+    "explained_by",  # str: for a `warn` row, the rule that judged it within noise (explain.EXPLAINED_BY), else ""
 ]
 
 
@@ -123,6 +124,7 @@ class Comparison:
     noise_model: str = "intrinsic"  # the best evidence that judged the run: "replay" | "reference" | "intrinsic"
     rows_over_dtype_limits: int = 0  # pairs beyond the fixed dtype limits, whatever the noise model says
     culprit_groups: list[CulpritGroup] = field(default_factory=list)  # most culprits first
+    explained: dict[str, int] = field(default_factory=dict)  # `warn` rows by the rule that explained them
 
     @property
     def within_noise(self) -> bool:

@@ -1,15 +1,20 @@
-"""Per call: the error into it, out of it, and introduced by it (out over in); the first
-divergence and the culprits, from the calls that judge.py finds guilty.
+"""The call table: per call, the error into it, out of it, and introduced by it (out over what
+its inputs and rounding explain, bounds.py); the first divergence and the culprits, from the calls
+that judge.py finds guilty.
 
 Error propagates, so once one call diverges every later call does too: a call introduces error
-when its inputs agree (pass) and its outputs do not (fail), or when it amplifies what it receives.
+when more error leaves it than its inputs, through its condition, and its own rounding explain.
 Calls are searched in execution order: a step's parameters, its data, its forward calls, its
-backward calls (in the order autograd ran them), its optimizer update.
+backward calls (in the order autograd ran them), the parameters' gradients, its optimizer update.
 
 Not every call is an API's: each has a kind (`kinds`). A parameter's record at a step is a call whose
-input is the optimizer's update of it at the step before (none at the first dumped step: its
-weights were given); the data are calls without inputs; a module's parameters are inputs of its
-calls, so a module is never blamed for the weights it was handed.
+input is the optimizer's update of it at the step before; where that update was not recorded (no
+`optimizer=` given to the Dumper, or steps not dumped), the update is a call of its own, kind
+`optimizer`, from the parameter and its gradient at the last dumped step before. At the first
+dumped step a parameter has no input: its weights were given. The data are calls without inputs;
+a parameter's gradient is a call (kind `gradient`) whose inputs are the gradients its readers'
+backward calls sent it (autograd sums them); a module's parameters are inputs of its calls, so a
+module is never blamed for the weights it was handed.
 """
 
 from __future__ import annotations
@@ -18,21 +23,27 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pi0align.compare.judge import Judgement, innermost
+from pi0align.compare.bounds import conditions, dimensions, introduced, noise_floor, step_bounds
+from pi0align.compare.identity import RESULT_ROLES, gradient_sources, produced
+from pi0align.compare.judge import Judgement
+from pi0align.compare.modules import enclosing_modules, holds_calls
 from pi0align.compare.records import INPUT_ROLES, OUTPUT_ROLES, subjects
 from pi0align.compare.result import CallRef, Culprit
-from pi0align.compare.table import Groups, Table, isin, lookup
+from pi0align.compare.table import Groups, Table, gather, isin, lookup
 from pi0align.compare.thresholds import UNIT_ROUNDOFF, dtype_class, looser_classes
 
 STATS_ERRORS = ["norm_rel_err", "mean_val_rel_err", "min_rel_err", "max_val_rel_err"]
 MAX_CULPRITS = 100
-# kind of culprit by the direction of its records ("parameter": initial_weights or parameters)
-KIND_OF_DIRECTION = {"forward": "call", "backward": "call", "optimizer": "optimizer", "data": "data"}
-PHASES = ("parameter", "data", "forward", "backward", "optimizer")  # a step's parts in execution order
+# kind of culprit by the direction of its call ("parameter": initial_weights or parameters)
+KIND_OF_DIRECTION = {"forward": "call", "backward": "call", "optimizer": "optimizer", "data": "data",
+                     "gradient": "gradient"}
+# a step's parts in execution order ("gradient": the parameters' gradients autograd accumulated)
+PHASES = ("parameter", "data", "forward", "backward", "gradient", "optimizer")
 CALL_COLUMNS = ["rank", "step", "direction", "kind", "seq_a", "name", "module", "api", "input_error", "output_error",
-                "inputs_pass", "outputs_fail", "introduced_error", "metric",
+                "inputs_pass", "outputs_fail", "introduced_error", "condition", "floor", "metric",
                 "local_error_a", "local_error_b", "unit_a", "unit_b", "replay", "args_differ", "inputs_identical",
-                "outputs_differ"]
+                "outputs_differ", "inside_error", "with_calls_inside", "sourced", "previous_step", "step_bound",
+                "parameter_error"]
 
 
 def row_error(rows: Table) -> tuple[np.ndarray, np.ndarray]:
@@ -47,26 +58,42 @@ def row_error(rows: Table) -> tuple[np.ndarray, np.ndarray]:
     return np.where(use_values, rel_l2, stats_max), np.where(use_values, "rel_l2_err", "stats_rel_err")
 
 
-def call_errors(rows: Table) -> Table:
-    """One row per judged call (CALL_COLUMNS), in order of step, seq_a and rank."""
-    judged = rows.take(isin(rows["verdict"], ["pass", "warn", "fail"]) & isin(rows["direction"], PHASES)
-                       & (rows["role"] != "parameter_grad"))
-    error, metric = row_error(judged)
+def call_directions(rows: Table) -> np.ndarray:
+    """The direction of the call each record belongs to: a parameter's gradient is a call of its own."""
+    return np.where(rows["role"] == "parameter_grad", "gradient", rows["direction"]).astype(object)
+
+
+def judged_records(verdict: np.ndarray, rows: Table) -> np.ndarray:
+    """Records that take part in the call table: judged, of a phase of the step."""
+    return isin(verdict, ["pass", "warn", "fail"]) & isin(call_directions(rows), PHASES)
+
+
+def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np.ndarray) -> Table:
+    """One row per judged call (CALL_COLUMNS), in order of step, seq_a and rank. `verdict`: each
+    record's verdict against its limits; `rounding`: records whose difference is rounding-level
+    noise (noise.py), which fail no call; `identity`: each record's tensor (identity.py)."""
+    failing_rows = (verdict == "fail") & ~rounding
+    error_rows, metric_rows = row_error(rows)
+    error_rows[rounding] = np.nan  # noise that no call made: it neither enters nor leaves a call
+    use = np.flatnonzero(judged_records(verdict, rows))
+    judged = rows.take(use)
+    error, metric, fail = error_rows[use], metric_rows[use], failing_rows[use]
+    direction = call_directions(judged)
     is_in = isin(judged["role"], INPUT_ROLES)
-    is_out = isin(judged["role"], (*OUTPUT_ROLES, "parameter"))
-    fail = judged["verdict"] == "fail"
+    is_out = isin(judged["role"], (*OUTPUT_ROLES, "parameter", "parameter_grad"))
     floor = np.array([UNIT_ROUNDOFF[c] for c in looser_classes(judged["dtype_a"], judged["dtype_b"]).tolist()])
     seq_a = judged["seq_a"].astype(np.int64)
-    groups = Groups(judged["rank"], judged["step"], judged["direction"], seq_a)  # one group per call
+    groups = Groups(judged["rank"], judged["step"], direction, seq_a)  # one group per call
     first = groups.first
+    identical = judged["identical"].astype(bool)
     calls = Table({
-        "rank": judged["rank"][first], "step": judged["step"][first], "direction": judged["direction"][first],
+        "rank": judged["rank"][first], "step": judged["step"][first], "direction": direction[first],
         "seq_a": seq_a[first], "name": judged["name"][first], "module": judged["module"][first],
         "api": judged["api"][first],
-        "input_error": groups.max(np.where(is_in, np.nan_to_num(error, nan=0.0), 0.0)),
-        "output_error": groups.max(np.where(is_out, np.nan_to_num(error, nan=0.0), -np.inf)),
+        "input_error": groups.max(np.where(is_in, np.where(np.isnan(error), 0.0, error), 0.0)),
+        "output_error": groups.max(np.where(is_out, np.where(np.isnan(error), 0.0, error), -np.inf)),
         "inputs_fail": groups.any(is_in & fail), "outputs_fail": groups.any(is_out & fail),
-        "floor": groups.max(np.where(is_out, floor, 0.0)),
+        "unit": groups.max(np.where(is_out, floor, 0.0)),
         "metric": groups.max_text(np.where(is_out, metric, "").astype(object)),
         # replay (replayed.py): each side's largest local error over the call's results, the unit
         # roundoff of its result dtypes, and why it was not replayed
@@ -77,19 +104,27 @@ def call_errors(rows: Table) -> Table:
         "replay": groups.max_text(np.where(is_out, judged["replay"], "").astype(object)),
         "args_differ": groups.any(judged["args_differ"].astype(bool)),
         # exact evidence: every input holds the same bits on both sides, some output does not
-        "inputs_identical": ~groups.any(is_in & ~judged["identical"].astype(bool)),
-        "outputs_differ": groups.any(is_out & ~judged["identical"].astype(bool)),
+        "inputs_identical": ~groups.any(is_in & ~identical),
+        "outputs_differ": groups.any(is_out & ~identical),
     })
+    calls["floor"] = noise_floor(calls["unit"])
+    calls["condition"] = conditions(calls, judged, groups.codes)
+    calls["sourced"] = np.ones(len(calls), bool)  # False: what made its input is not known
+    calls["previous_step"] = np.full(len(calls), -1, np.int64)
     first_step = int(rows["step"].min()) if len(rows) else 0
-    _add_module_parameters(calls, judged, error)
-    _add_parameter_sources(calls, first_step)
+    _add_module_parameters(calls, judged, error, fail)
+    _add_parameter_sources(calls)
+    calls["step_bound"], calls["parameter_error"] = step_bounds(calls, judged, groups.codes, error)
     _add_saved_tensors(calls)
-    calls = calls.take(np.isfinite(calls["output_error"]))  # calls with no judged output introduce nothing
+    _add_gradient_sources(calls, rows, identity, error_rows, failing_rows)
+    _add_inside_errors(calls, rows, use, groups.codes, identity, error_rows, failing_rows)
+    calls = calls.take(calls["output_error"] > -np.inf)  # calls with no judged output introduce nothing
     calls["kind"] = kinds(calls, first_step)
     calls["inputs_pass"] = ~calls["inputs_fail"]
-    denominator = np.maximum(calls["input_error"], np.where(calls["floor"] > 0, calls["floor"], np.finfo(float).tiny))
-    with np.errstate(over="ignore"):
-        calls["introduced_error"] = calls["output_error"] / denominator
+    calls["introduced_error"] = np.where(
+        calls["with_calls_inside"],
+        introduced(calls["inside_error"], calls["input_error"], calls["condition"], calls["floor"]),
+        introduced(calls["output_error"], calls["input_error"], calls["condition"], calls["floor"]))
     return calls.select(CALL_COLUMNS).take(np.lexsort((calls["rank"], calls["seq_a"], calls["step"])))
 
 
@@ -101,26 +136,28 @@ def _units(dtypes: np.ndarray) -> np.ndarray:
 
 def kinds(calls: Table, first_step: int) -> np.ndarray:
     """Each call's kind: a parameter at step 0 holds the initial weights; later, or at a first
-    dumped step past 0, the parameters (what training made of them)."""
+    dumped step past 0, the parameters (what training made of them); a parameter whose update
+    was not recorded stands for that update (`optimizer`)."""
     kind = np.array([KIND_OF_DIRECTION.get(d, "parameters") for d in calls["direction"].tolist()], dtype=object)
     kind[(kind == "parameters") & (calls["step"] == 0) & (first_step == 0)] = "initial_weights"
+    kind[(calls["direction"] == "parameter") & (calls["previous_step"] >= 0)] = "optimizer"
     return kind
 
 
-def _add_module_parameters(calls: Table, judged: Table, error: np.ndarray) -> None:
+def _add_module_parameters(calls: Table, judged: Table, error: np.ndarray, fail: np.ndarray) -> None:
     """A module call also reads its parameters and those of the modules below it, as the step's
     forward first read them (the parameter records): their error is the module call's input error."""
     params = np.flatnonzero(judged["role"] == "parameter")
     if not len(params):
         return
     worst: dict[tuple, list] = {}  # (rank, step, module path or an ancestor) -> [error, fail, identical]
-    fail, identical = judged["verdict"] == "fail", judged["identical"].astype(bool)
+    identical = judged["identical"].astype(bool)
     for i in params.tolist():
         parts = str(judged["module"][i]).split(".") if judged["module"][i] else []
         for n in range(len(parts) + 1):
             entry = worst.setdefault((int(judged["rank"][i]), int(judged["step"][i]), ".".join(parts[:n])),
                                      [0.0, False, True])
-            entry[0] = max(entry[0], float(np.nan_to_num(error[i], nan=0.0)))
+            entry[0] = max(entry[0], float(0.0 if np.isnan(error[i]) else error[i]))
             entry[1] |= bool(fail[i])
             entry[2] &= bool(identical[i])
     modules = np.flatnonzero(np.char.startswith(calls["api"].astype(str), "Module.")
@@ -133,26 +170,101 @@ def _add_module_parameters(calls: Table, judged: Table, error: np.ndarray) -> No
             calls["inputs_identical"][i] &= entry[2]
 
 
-def _add_parameter_sources(calls: Table, first_step: int) -> None:
-    """A parameter's input is the optimizer's update of it at the step before. At the first dumped
-    step it has none (the weights were given); past it without that update dumped (a step not
-    dumped, an optimizer not given to the Dumper), what made it is unknown: infinite input error,
-    it introduces nothing."""
+def _add_parameter_sources(calls: Table) -> None:
+    """A parameter's input is the optimizer's update of it at the step before. Where that update
+    was not recorded, the parameter stands for it: its inputs are the parameter and its gradient
+    at the last dumped step before (`previous_step`). At a parameter's first dumped step it has no
+    input: the weights were given."""
     param = np.flatnonzero(calls["direction"] == "parameter")
     if not len(param):
         return
-    update = np.flatnonzero(calls["direction"] == "optimizer")
     parameter = subjects(calls["name"])
-    made_by = {(int(calls["rank"][i]), int(calls["step"][i]), parameter[i]): i for i in update.tolist()}
-    for i in param.tolist():
-        step = int(calls["step"][i])
-        source = made_by.get((int(calls["rank"][i]), step - 1, parameter[i]))
+    rank, step = calls["rank"], calls["step"]
+    update = np.flatnonzero(calls["direction"] == "optimizer")
+    made_by = {(int(rank[i]), int(step[i]), parameter[i]): i for i in update.tolist()}
+    gradient = np.flatnonzero(calls["direction"] == "gradient")
+    gradient_of = {(int(rank[i]), int(step[i]), parameter[i]): i for i in gradient.tolist()}
+    seen: dict[tuple, int] = {}  # (rank, parameter) -> the call of its last dumped step so far
+    for i in param[np.lexsort((step[param], rank[param]))].tolist():
+        key = (int(rank[i]), parameter[i])
+        before, seen[key] = seen.get(key), i
+        source = made_by.get((key[0], int(step[i]) - 1, key[1]))
         if source is not None:
             calls["input_error"][i] = calls["output_error"][source]
             calls["inputs_fail"][i] = calls["outputs_fail"][source]
             calls["inputs_identical"][i] = not calls["outputs_differ"][source]
-        elif step != first_step:
-            calls["input_error"][i], calls["inputs_fail"][i], calls["inputs_identical"][i] = np.inf, True, False
+        elif before is not None:  # the update between the two dumped steps, not recorded
+            calls["previous_step"][i] = step[before]
+            grad = gradient_of.get((key[0], int(step[before]), key[1]))
+            sources = [before] + ([grad] if grad is not None else [])
+            calls["input_error"][i] = max(calls["output_error"][s] for s in sources)
+            calls["inputs_fail"][i] = any(calls["outputs_fail"][s] for s in sources)
+            calls["inputs_identical"][i] = not any(calls["outputs_differ"][s] for s in sources)
+
+
+def _add_gradient_sources(calls: Table, rows: Table, identity: np.ndarray, error: np.ndarray,
+                          failing: np.ndarray) -> None:
+    """A parameter's gradient is the sum of what its readers' backward calls sent it (identity.py);
+    where none of them was dumped (a dump at level module), the module owning the parameter
+    computed it: the input error of that module's backward call."""
+    gradient = np.flatnonzero(calls["direction"] == "gradient")
+    if not len(gradient):
+        return
+    bound, readers_fail = gradient_sources(rows, identity, error, failing)
+    grad_rows = np.flatnonzero(rows["role"] == "parameter_grad")
+    keys = ("rank", "step", "name")
+    at = lookup([calls[k][gradient] for k in keys], [rows[k][grad_rows] for k in keys])
+    row = np.where(at >= 0, grad_rows[np.maximum(at, 0)], -1)
+    calls["input_error"][gradient] = gather(bound, row, np.nan)
+    calls["inputs_fail"][gradient] = gather(readers_fail, row, False)
+    calls["inputs_identical"][gradient] = False
+    unknown = gradient[np.isnan(calls["input_error"][gradient])]
+    if not len(unknown):
+        return
+    backward_modules = np.flatnonzero(np.char.startswith(calls["api"].astype(str), "Module.")
+                                      & (calls["direction"] == "backward"))
+    keys = ("rank", "step", "module")
+    owner = lookup([calls[k][unknown] for k in keys], [calls[k][backward_modules] for k in keys])
+    found = owner >= 0
+    module_call = backward_modules[owner[found]]
+    calls["input_error"][unknown[found]] = calls["input_error"][module_call]
+    calls["inputs_fail"][unknown[found]] = calls["inputs_fail"][module_call]
+    calls["condition"][unknown[found]] = _reduction_conditions(calls, rows, unknown[found], module_call)
+    calls["input_error"][unknown[~found]] = np.inf
+    calls["sourced"][unknown[~found]] = False
+
+
+def _reduction_conditions(calls: Table, rows: Table, gradients: np.ndarray, owners: np.ndarray) -> np.ndarray:
+    """The condition of a parameter's gradient as its module's backward computes it, a sum over the
+    P positions of the module's input X of the gradient G flowing in. An error of G may add up
+    alike at every position while the values cancel, so the bound is the triangle inequality's:
+    ‖G‖ ‖X‖ / ‖∂W‖ for a weight (G^T X), √P ‖G‖ / ‖∂b‖ for a bias-like parameter (one value per
+    feature, the sum over the positions of G)."""
+    def record(calls_at: np.ndarray, direction: str, role: str) -> np.ndarray:
+        keys = [calls[k][calls_at] for k in ("rank", "step", "name")]
+        found = lookup(keys + [np.full(len(calls_at), direction, object), np.full(len(calls_at), role, object),
+                               np.zeros(len(calls_at), np.int64)],
+                       [rows[k] for k in ("rank", "step", "name", "direction", "role", "arg_index")])
+        return found
+
+    norm = rows["norm_a"].astype(np.float64)
+    incoming, saved_input = record(owners, "backward", "grad_output"), record(owners, "forward", "input")
+    keys = [calls[k][gradients] for k in ("rank", "step", "name")]
+    own = lookup(keys + [np.full(len(gradients), "parameter_grad", object)],
+                 [rows[k] for k in ("rank", "step", "name", "role")])
+    condition = np.ones(len(gradients))
+    for i, (g, x, w) in enumerate(zip(incoming.tolist(), saved_input.tolist(), own.tolist())):
+        if min(g, w) < 0 or not norm[w] > 0:
+            continue
+        if len(dimensions(str(rows["shape_a"][w])) or ()) >= 2:
+            scale = norm[x] if x >= 0 else np.nan
+        else:
+            dims = dimensions(str(rows["shape_a"][g])) or ()
+            scale = np.sqrt(np.prod(dims[:-1])) if dims else np.nan
+        condition[i] = max(1.0, norm[g] * scale / norm[w]) if np.isfinite(norm[g] * scale) else 1.0
+    return condition
+
+
 
 
 def phases(directions: np.ndarray) -> np.ndarray:
@@ -181,6 +293,46 @@ def _add_saved_tensors(calls: Table) -> None:
     calls["inputs_identical"][backward] &= forward["inputs_identical"][source] & ~forward["outputs_differ"][source]
 
 
+def _add_inside_errors(calls: Table, rows: Table, used: np.ndarray, call_of_used: np.ndarray,
+                       identity: np.ndarray, error: np.ndarray, failing: np.ndarray) -> None:
+    """What entered a module from no dumped call: the error of the forward inputs of the calls
+    inside it that no dumped call, parameter or batch produced (an operation filtered out, one of
+    `torch.ops`, an extension kernel, calls on one side only), and of its output where no call
+    inside it produced that. A module holding calls is judged by that error alone (`inside_error`):
+    its calls are judged on their own."""
+    n = len(calls)
+    parent = enclosing_modules(calls)
+    calls["inside_error"] = np.zeros(n)
+    calls["with_calls_inside"] = holds_calls(calls, parent)
+    if not (parent >= 0).any():
+        return
+    call_of_row = np.full(len(rows), -1, np.int64)
+    call_of_row[used] = call_of_used
+    in_table = call_of_row >= 0
+    producer = produced(rows, identity, isin(rows["role"], RESULT_ROLES) & in_table)
+    forward = rows["direction"] == "forward"
+
+    def enclosing(call: int):
+        module = parent[call]
+        while module >= 0:
+            yield module
+            module = parent[module]
+
+    for row in np.flatnonzero(forward & (rows["role"] == "input") & in_table & failing & (producer < 0)).tolist():
+        for module in enclosing(call_of_row[row]):
+            calls["inside_error"][module] = max(calls["inside_error"][module], error[row])
+    outputs = np.flatnonzero(forward & (rows["role"] == "output") & in_table)
+    made_inside: dict[int, set] = {}  # module call -> identities its calls' outputs hold
+    for row in outputs.tolist():
+        for module in enclosing(call_of_row[row]):
+            made_inside.setdefault(module, set()).add(int(identity[row]))
+    for row in outputs[failing[outputs]].tolist():
+        module = call_of_row[row]
+        if calls["with_calls_inside"][module] and (identity[row] < 0 or int(identity[row]) not in
+                                                   made_inside.get(module, set())):
+            calls["inside_error"][module] = max(calls["inside_error"][module], error[row])
+
+
 def first_divergence(calls: Table, guilty: np.ndarray, stack_of: Callable[[int, int, int], list[str]],
                      direction: str | None = None) -> CallRef | None:
     """First call in execution order among `guilty` (of `direction` only, when given)."""
@@ -189,12 +341,7 @@ def first_divergence(calls: Table, guilty: np.ndarray, stack_of: Callable[[int, 
     candidates = order[wanted[order]]
     if not len(candidates):
         return None
-    return _ref(CallRef, calls, candidates[0], stack_of)
-
-
-def first_failing(calls: Table, stack_of: Callable[[int, int, int], list[str]]) -> CallRef | None:
-    """First call whose outputs fail, whatever its inputs (the innermost module)."""
-    return first_divergence(calls, innermost(calls, calls["outputs_fail"]), stack_of)
+    return call_ref(calls, candidates[0], stack_of)
 
 
 def culprits(calls: Table, judgement: Judgement, stack_of: Callable[[int, int, int], list[str]]) -> list[Culprit]:
@@ -204,7 +351,7 @@ def culprits(calls: Table, judgement: Judgement, stack_of: Callable[[int, int, i
     phase = phases(calls["direction"][guilty])
     guilty = guilty[np.lexsort((-judgement.blame[guilty], phase, calls["step"][guilty]))][:MAX_CULPRITS]
     number = lambda column, i: float(calls[column][i])
-    return [_ref(Culprit, calls, i, stack_of, introduced_error=number("introduced_error", i),
+    return [call_ref(calls, i, stack_of, Culprit, introduced_error=number("introduced_error", i),
                  input_error=number("input_error", i), output_error=number("output_error", i),
                  metric=str(calls["metric"][i]), evidence=str(judgement.evidence[i]),
                  wrong_side=str(judgement.wrong_side[i]), local_error_a=number("local_error_a", i),
@@ -212,7 +359,8 @@ def culprits(calls: Table, judgement: Judgement, stack_of: Callable[[int, int, i
                  if judgement.evidence[i] == "replay" else float("nan")) for i in guilty]
 
 
-def _ref(cls, calls: Table, i: int, stack_of, **extra):
+def call_ref(calls: Table, i: int, stack_of, cls=CallRef, **extra):
+    """Call i of the table as the user needs to find it (a CallRef, or `cls` with `extra`)."""
     rank, step, seq = int(calls["rank"][i]), int(calls["step"][i]), int(calls["seq_a"][i])
     return cls(step=step, name=str(calls["name"][i]), module=str(calls["module"][i]), api=str(calls["api"][i]),
                direction=str(calls["direction"][i]), stack=stack_of(rank, step, seq), rank=rank,

@@ -1,10 +1,14 @@
-"""Judge each row against the thresholds of its dtype: pass, warn, fail, or n/a."""
+"""The first stage of the verdict: each row against its limits (its dtype's, raised by a noise
+reference): pass, warn, fail, or n/a."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from pi0align.compare.metrics import relative
+from pi0align.compare.reference import raised_limits
 from pi0align.compare.table import Table, isin
 from pi0align.compare.thresholds import JUDGED_ERRORS, looser_classes
 
@@ -55,3 +59,43 @@ def verdicts(rows: Table, severities: np.ndarray, thresholds: dict) -> np.ndarra
     with np.errstate(invalid="ignore"):
         return np.where(np.isnan(severities), "n/a",
                         np.where(severities > 1, "fail", np.where(severities > warn_at, "warn", "pass")))
+
+
+@dataclass(frozen=True)
+class RowVerdicts:
+    """Per row: its verdict against its limits, the largest error over its limit, whether it
+    exceeds the fixed dtype limits, and whether both sides hold the same bits."""
+
+    verdict: np.ndarray
+    severity: np.ndarray
+    over_dtype_limits: np.ndarray
+    identical: np.ndarray
+
+
+def judge_rows(rows: Table, thresholds: dict, reference: Table | None = None) -> RowVerdicts:
+    """Every row against its dtype's limits, raised to a noise reference's where one is given
+    (reference.py); a data record whose bits differ fails whatever its statistics say."""
+    errors, limits = metric_errors(rows), metric_limits(rows, thresholds)
+    over_dtype_limits = severity(metric_ratios(errors, limits)) > 1
+    if reference is not None:
+        limits = raised_limits(rows, limits, reference, metric_errors(reference))
+    row_severity = severity(metric_ratios(errors, limits))
+    verdict = verdicts(rows, row_severity, thresholds).astype(object)
+    identical = identical_values(rows)
+    verdict[data_differ(rows, identical)] = "fail"
+    return RowVerdicts(verdict=verdict, severity=row_severity, over_dtype_limits=over_dtype_limits,
+                       identical=identical)
+
+
+def identical_values(rows: Table) -> np.ndarray:
+    """Rows whose two records hold the same bits (equal checksums, both known)."""
+    a, b = rows["checksum_a"].astype(np.int64), rows["checksum_b"].astype(np.int64)
+    return (a == b) & (a != -1) & (b != -1) & isin(rows["pairing"], ("matched", "realigned"))
+
+
+def data_differ(rows: Table, identical: np.ndarray) -> np.ndarray:
+    """Data records (the batch) of one dtype whose bits differ: the batch is read, not computed, so
+    it holds no rounding noise, and one changed sample in sixteen moves its statistics less than
+    bf16's limits."""
+    known = (rows["checksum_a"] != -1) & (rows["checksum_b"] != -1) & (rows["dtype_a"] == rows["dtype_b"])
+    return (rows["direction"] == "data") & known & ~identical & isin(rows["pairing"], ("matched", "realigned"))

@@ -36,6 +36,10 @@ RECORD_TYPES = {
     "tensor": STR, "skipped": STR,
 }
 METRIC_TYPES = {"step": np.int64, "loss": np.float64, "grad_norm": np.float64, "lr": np.float64}
+# How `calls/args` names a device: torch.device's repr as {"repr": ...}, or a device string. A
+# replay runs on the CPU and a comparison sets devices aside: both read them with these patterns.
+DEVICE_REPR = r"device\(type='[a-z]+'(, index=\d+)?\)"
+DEVICE_NAME = r"(cpu|cuda|npu|xpu|mps)(:\d+)?"
 
 
 def checksum(elements: np.ndarray) -> int:

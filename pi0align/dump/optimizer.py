@@ -21,8 +21,9 @@ DIRECTION = "optimizer"
 _IMPLEMENTATION = frozenset({"params", "foreach", "fused", "capturable", "differentiable", "initial_lr"})
 
 
-def hyper_parameters(group: dict, state: list[str]) -> str:
-    """The group's numeric and boolean settings as JSON, with the names of the state tensors."""
+def hyper_parameters(group: dict, state: list[str], optimizer: type) -> str:
+    """The group's numeric and boolean settings as JSON, with the names of the state tensors and
+    the optimizer's class (replay recomputes the updates of the classes it knows)."""
     settings = {}
     for key, value in sorted(group.items()):
         if key in _IMPLEMENTATION:
@@ -34,7 +35,8 @@ def hyper_parameters(group: dict, state: list[str]) -> str:
             settings[key] = value if math.isfinite(value) else repr(value)
         elif isinstance(value, (tuple, list)) and all(isinstance(v, (int, float)) for v in value):
             settings[key] = list(value)
-    return json.dumps({"hyper_parameters": settings, "state": state}, separators=(",", ":"))
+    return json.dumps({"hyper_parameters": settings, "state": state,
+                       "optimizer": f"{optimizer.__module__}.{optimizer.__qualname__}"}, separators=(",", ":"))
 
 
 def _state_tensors(state: dict) -> list[tuple[str, torch.Tensor]]:
@@ -72,7 +74,7 @@ class OptimizerRecorder:
                         continue
                     state = _state_tensors(optimizer.state.get(param, {}))
                     call = log.open_call(name, module, API, DIRECTION, -1,
-                                         hyper_parameters(group, [k for k, _ in state]))
+                                         hyper_parameters(group, [k for k, _ in state], type(optimizer)))
                     log.add_tensor(call, name, "input", 0, param)
                     log.add_tensor(call, name, "input", 1, param.grad)
                     for index, (_, tensor) in enumerate(state, start=2):
@@ -87,7 +89,8 @@ class OptimizerRecorder:
         with torch._C.DisableTorchFunction():
             for call, name, param, group in opened:
                 state = _state_tensors(optimizer.state.get(param, {}))
-                log.set_arguments(call, hyper_parameters(group, [k for k, _ in state]))  # states made lazily
+                # the states exist from the first update on: named now
+                log.set_arguments(call, hyper_parameters(group, [k for k, _ in state], type(optimizer)))
                 log.add_tensor(call, name, "output", 0, param)
                 for index, (_, tensor) in enumerate(state, start=2):
                     log.add_tensor(call, name, "output", index, tensor)

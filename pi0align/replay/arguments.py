@@ -13,11 +13,12 @@ import re
 
 import torch
 
+from pi0align.dump.file_format import DEVICE_NAME, DEVICE_REPR
 from pi0align.replay.apis import NotReplayable
 
 _SLICE = re.compile(r"^slice\((-?\d+|None), (-?\d+|None), (-?\d+|None)\)$")
-_DEVICE = re.compile(r"^device\(type='[a-z]+'(, index=\d+)?\)$")
-_DEVICE_TEXT = re.compile(r"^(cuda|npu|xpu|mps)(:\d+)?$")  # an accelerator named as a string
+_DEVICE = re.compile(f"^{DEVICE_REPR}$")
+_DEVICE_TEXT = re.compile(f"^{DEVICE_NAME}$")
 _FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 

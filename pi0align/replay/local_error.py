@@ -4,7 +4,9 @@ Forward: the call's inputs (floating ones as float64) and recorded arguments go 
 torch function; the local error of each output is its relative L2 distance to that result.
 Backward: the forward call is replayed with autograd from its inputs, and the side's own
 gradients flowing into its outputs are pushed back through it; the local error of each gradient
-flowing out to an input is measured the same way.
+flowing out to an input is measured the same way. The optimizer's update of a parameter
+(`Optimizer.step`) is recomputed from its recorded parameter, gradient, states and
+hyper-parameters (optimizer.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 from pi0align.dump.arguments import tensors_of
 from pi0align.replay.apis import NotReplayable, resolve
 from pi0align.replay.arguments import rebuild
+from pi0align.replay.optimizer import API as OPTIMIZER_API
+from pi0align.replay.optimizer import replay_update
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ class Replayed:
 def replay(call: RecordedCall) -> Replayed:
     """Replay `call` on the CPU in float64; never raises for a call that cannot be replayed."""
     try:
-        func = resolve(call.api)
+        func = None if call.api == OPTIMIZER_API else resolve(call.api)
         if not call.args:
             raise NotReplayable("arguments not recorded")
         described = json.loads(call.args)
@@ -63,7 +67,10 @@ def replay(call: RecordedCall) -> Replayed:
             raise NotReplayable("inputs not dumped in full")
         with torch.no_grad():
             inputs = [_as_float64(call.inputs[i]) for i in range(count)]
-        if call.grad_outputs is None:
+        if func is None:
+            updated = replay_update(described, inputs)
+            references = [updated.get(i) for i in range(1 + max(updated))]
+        elif call.grad_outputs is None:
             references = _forward(func, described, inputs)
         else:
             references = _backward(func, described, inputs, call)

@@ -73,6 +73,9 @@ def _verdict_panel(comparison: Comparison) -> Panel:
         Text(coverage_text(comparison.coverage)),
         Text(f"rows: {counts['pass']} pass · {counts['warn']} warn · {counts['fail']} fail · {counts['n/a']} n/a"),
     ]
+    if comparison.explained:
+        lines.append(Text("warn by rule: " + " · ".join(f"{rule} {count}" for rule, count in
+                                                       sorted(comparison.explained.items(), key=lambda r: -r[1]))))
     return Panel(Group(*lines), title="pi0align compare", border_style="green" if aligned else "red", expand=False)
 
 

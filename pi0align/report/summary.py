@@ -62,6 +62,7 @@ def summary(comparison: Comparison) -> dict[str, Any]:
         "source_b": comparison.source_b,
         "coverage": json_safe(comparison.coverage),
         "row_verdicts": verdict_counts(comparison),
+        "explained_by": dict(comparison.explained),
         "first_divergence": optional_call_dict(comparison.first_divergence),
         "first_divergence_backward": optional_call_dict(comparison.first_divergence_backward),
         "culprits": [call_dict(culprit) for culprit in comparison.culprits],

@@ -3,14 +3,18 @@
 
 They imitate what differs between devices: results rounded differently (`UlpNoise`), matmul
 inputs rounded to TF32 (`Tf32Matmuls`, what `allow_tf32` and Ascend's HF32 do), one kernel a few
-percent off (`Fault`). `UlpNoise` moves values as pi0align's own noise reference does
+percent off (`Fault`), an Adam kernel that computes with another epsilon or learning rate than
+its settings say (`AdamKernel`). `UlpNoise` moves values as pi0align's own noise reference does
 (dump/perturb.py's UlpMover) but forward results only: the reference moves gradients too.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F  # noqa: N812
+import torch.optim.adam
 from torch.overrides import TorchFunctionMode
 
 from pi0align.dump.perturb import UlpMover
@@ -127,3 +131,22 @@ class _GradientTimes(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad * ctx.factor, None
+
+
+@contextlib.contextmanager
+def adam_kernel(eps: float | None = None, lr_scale: float = 1.0):
+    """torch.optim's Adam and AdamW (single-tensor form, the CPU's) compute with `eps` instead of
+    the group's, and the learning rate × `lr_scale`, while their settings, and so the dump's
+    records of them, say otherwise: a device kernel with a constant of its own."""
+    original = torch.optim.adam._single_tensor_adam
+
+    def kernel(*args, **kwargs):
+        kwargs["eps"] = kwargs["eps"] if eps is None else eps
+        kwargs["lr"] = kwargs["lr"] * lr_scale
+        return original(*args, **kwargs)
+
+    torch.optim.adam._single_tensor_adam = kernel
+    try:
+        yield
+    finally:
+        torch.optim.adam._single_tensor_adam = original

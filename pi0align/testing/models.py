@@ -78,11 +78,14 @@ class Transformer(torch.nn.Module):
 
 class HandWrittenAdamW(torch.optim.Optimizer):
     """AdamW as a user might write it: torch.optim.AdamW's update with its operations in another
-    order (bias corrections applied to the moments, the decay folded into the same expression)."""
+    order (bias corrections applied to the moments, the decay folded into the same expression).
+    `kernel_eps`, `kernel_lr_scale`: a kernel that computes with another epsilon, or another
+    learning rate, than its settings say (as a fused kernel with a constant of its own would)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2) -> None:
+                 weight_decay: float = 1e-2, kernel_eps: float | None = None, kernel_lr_scale: float = 1.0) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.kernel_eps, self.kernel_lr_scale = kernel_eps, kernel_lr_scale
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -102,5 +105,7 @@ class HandWrittenAdamW(torch.optim.Optimizer):
                 state["exp_avg_sq"].copy_(beta2 * state["exp_avg_sq"] + (1 - beta2) * grad * grad)
                 corrected_mean = state["exp_avg"] / (1 - beta1**step)
                 corrected_square = state["exp_avg_sq"] / (1 - beta2**step)
-                update = corrected_mean / (corrected_square.sqrt() + group["eps"])
-                param.copy_(param * (1 - group["lr"] * group["weight_decay"]) - group["lr"] * update)
+                eps = group["eps"] if self.kernel_eps is None else self.kernel_eps
+                lr = group["lr"] * self.kernel_lr_scale
+                update = corrected_mean / (corrected_square.sqrt() + eps)
+                param.copy_(param * (1 - lr * group["weight_decay"]) - lr * update)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from pi0align.testing.devices import Fault, Tf32Matmuls, UlpNoise
+from pi0align.testing.devices import Fault, Tf32Matmuls, UlpNoise, adam_kernel
 from pi0align.testing.models import HandWrittenAdamW, Mlp, Transformer
 
 FUNCTIONS = {"linear": F.linear, "gelu": F.gelu, "layer_norm": F.layer_norm, "softmax": torch.softmax,
@@ -23,7 +23,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class Emulation:
     """How the emulated device differs from the CPU: results moved by up to `ulp_noise` ulps,
     matmul inputs in TF32, one faulty call (module path, function name, index, factor), its
-    gradient alone off (`fault_backward`), in the module's first `fault_forwards` forwards only."""
+    gradient alone off (`fault_backward`), in the module's first `fault_forwards` forwards only;
+    an Adam kernel computing with another epsilon (`adam_eps`) or learning rate (× `adam_lr_scale`)
+    than its settings say."""
 
     ulp_noise: int = 0
     ulp_seed: int = 1
@@ -31,6 +33,8 @@ class Emulation:
     fault: tuple[str, str, int, float] | None = None
     fault_backward: bool = False
     fault_forwards: int | None = None
+    adam_eps: float | None = None
+    adam_lr_scale: float = 1.0
 
     @contextlib.contextmanager
     def on(self, model: torch.nn.Module):
@@ -45,6 +49,8 @@ class Emulation:
             fault = Fault(model.get_submodule(path), FUNCTIONS[function], index, factor,
                           backward=self.fault_backward, forwards=self.fault_forwards)
             modes.append(fault)
+        if self.adam_eps is not None or self.adam_lr_scale != 1.0:
+            modes.append(adam_kernel(self.adam_eps, self.adam_lr_scale))
         try:
             with contextlib.ExitStack() as stack:
                 for mode in modes:
@@ -69,10 +75,17 @@ class ToyRun:
     optimizer: str = "adamw"  # "adamw" (torch.optim.AdamW) | "handwritten" (testing.models.HandWrittenAdamW)
     level: str = "mix"
     changed_sample_at: int | None = None  # the step whose batch has its first sample changed
+    record_optimizer: bool = True  # Dumper.start(model, optimizer=...): its updates recorded
+    steps: int = 2  # trained
+    dumped: tuple[int, ...] = (0, 1)  # the steps dumped
+    exclude: tuple[str, ...] = ()  # record names the dump leaves out (Dumper(exclude=...))
+    # (parameter, factor, step): that parameter's gradient × factor after backward at that step,
+    # before the optimizer reads it (a hook, gradient accumulation or all-reduce gone wrong)
+    gradient_scaled: tuple[str, float, int] | None = None
 
 
 def dump_toy(path: str | Path, run: ToyRun) -> Path:
-    """Two AdamW steps of a toy model, both dumped; returns the dump folder."""
+    """`run.steps` AdamW steps of a toy model, `run.dumped` of them dumped; returns the dump folder."""
     from pi0align.dump import Dumper
 
     torch.manual_seed(run.seed)
@@ -84,18 +97,22 @@ def dump_toy(path: str | Path, run: ToyRun) -> Path:
     changed = data.clone()
     changed[0] = torch.randn(*shape[1:], generator=torch.Generator().manual_seed(2))
     # made before the emulated device and the dumper: the batch as a loader hands it over
-    batches = [(changed if step == run.changed_sample_at else data).to(DTYPES[run.dtype]) for step in range(2)]
+    batches = [(changed if step == run.changed_sample_at else data).to(DTYPES[run.dtype]) for step in range(run.steps)]
     optimizers = {"adamw": torch.optim.AdamW, "handwritten": HandWrittenAdamW}
     optimizer = optimizers[run.optimizer](model.parameters(), lr=run.lr, eps=run.eps)
-    with run.device.on(model), Dumper(path, steps=[0, 1], level=run.level, mode=run.mode,
-                                      perturb_ulps=run.perturb_ulps, perturb_seed=run.seed + 7) as dumper:
-        dumper.start(model, optimizer=optimizer)
+    with run.device.on(model), Dumper(path, steps=run.dumped, level=run.level, mode=run.mode,
+                                      exclude=list(run.exclude) or None, perturb_ulps=run.perturb_ulps,
+                                      perturb_seed=run.seed + 7) as dumper:
+        dumper.start(model, optimizer=optimizer if run.record_optimizer else None)
         for step, batch in enumerate(batches):
             loss = model(batch).float().square().mean()
             loss.backward()
+            if run.gradient_scaled is not None and run.gradient_scaled[2] == step:
+                with torch.no_grad():
+                    model.get_parameter(run.gradient_scaled[0]).grad.mul_(run.gradient_scaled[1])
             optimizer.step()
             optimizer.zero_grad()
-            dumper.record_metrics(step, loss)
+            dumper.record_metrics(step, loss, lr=optimizer.param_groups[0]["lr"])
             dumper.step()
     return Path(path)
 
@@ -135,8 +152,9 @@ def dump_pi0(path: str | Path, run: Pi0Run) -> Path:
         for step in range(config.steps):
             batch = components["preprocessor"](next(batches))
             dumper.start(policy, step=step, optimizer=optimizer)
+            lr = optimizer.param_groups[0]["lr"]
             loss, grad_norm = train_step(policy, batch, optimizer, scheduler, clip)
-            dumper.record_metrics(step, loss, grad_norm)
+            dumper.record_metrics(step, loss, grad_norm, lr)
             dumper.stop()
             dumper.step()
     return path

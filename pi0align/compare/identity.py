@@ -1,0 +1,94 @@
+"""Which records hold the same tensor, and which records computed the tensor a record holds.
+
+A call's input is explained only by what made it: the record of the call (or parameter, or batch)
+that produced the same tensor. Two records hold the same tensor when, on both sides, they hold the
+same bits: equal checksums, or, in dumps without checksums (msprobe's), equal statistics, which
+are computed the same way each time a tensor is recorded. Both sides must match: a tensor that one
+side changed in between (an in-place operation that was not dumped) is not the same tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pi0align.compare.records import OUTPUT_ROLES
+from pi0align.compare.table import Table, isin, key_codes, lookup
+
+RESULT_ROLES = (*OUTPUT_ROLES, "parameter")  # what a call, a parameter or the batch hands on
+_FINGERPRINT = ("min", "max", "mean", "norm")
+_PAIRED = ("matched", "realigned", "dtype_mismatch")
+
+
+def tensor_identities(rows: Table) -> np.ndarray:
+    """A code per row for the tensor its two records hold (equal codes: the same tensor, within a
+    rank and step); -1 where that cannot be told (a record on one side only, no checksum and no
+    statistics)."""
+    n = len(rows)
+    paired = isin(rows["pairing"], _PAIRED)
+    checksum_a, checksum_b = rows["checksum_a"].astype(np.int64), rows["checksum_b"].astype(np.int64)
+    by_checksum = paired & (checksum_a != -1) & (checksum_b != -1)
+    stats = np.column_stack([rows[f"{s}_{side}"].astype(np.float64) for s in _FINGERPRINT for side in "ab"])
+    by_statistics = paired & ~by_checksum & np.isfinite(stats).all(axis=1)
+    identity = np.full(n, -1, np.int64)
+    common = (rows["rank"], rows["step"], rows["shape_a"], rows["dtype_a"])
+    offset = 0
+    for mask, keys in ((by_checksum, (checksum_a, checksum_b)), (by_statistics, tuple(stats.T))):
+        if mask.any():
+            codes, count = key_codes(*(np.asarray(k)[mask] for k in (*common, *keys)))
+            identity[mask] = codes + offset
+            offset += count
+    return identity
+
+
+def produced(rows: Table, identity: np.ndarray, results: np.ndarray) -> np.ndarray:
+    """Per row, the first row among `results` (a mask) that holds the same tensor, -1 where none does."""
+    known = identity >= 0
+    producers = np.flatnonzero(results & known)
+    found = np.full(len(rows), -1, np.int64)
+    if len(producers):
+        at = lookup([identity[known]], [identity[producers]])
+        found[known] = np.where(at >= 0, producers[np.maximum(at, 0)], -1)
+    return found
+
+
+def gradient_sources(rows: Table, identity: np.ndarray, error: np.ndarray,
+                     failing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What a gradient is made of: autograd sums the gradients that a tensor's readers send back.
+    Per gradient row (a backward call's `grad_output`, a `parameter_grad`): the largest relative
+    error that sum can have, Σ e_i ‖g_i‖ / ‖g‖ over the readers' gradients g_i (the triangle
+    inequality; NaN where no reader of the tensor was dumped), and whether a reader's gradient fails."""
+    n = len(rows)
+    bound, readers_fail = np.full(n, np.nan), np.zeros(n, bool)
+    direction, role, arg = rows["direction"], rows["role"], rows["arg_index"]
+    names = (rows["rank"], rows["step"], rows["name"])
+    # the tensor each gradient belongs to: its call's forward output, or the parameter itself
+    tensor = np.full(n, -1, np.int64)
+    for gradients, of, own_arg in (((direction == "backward") & (role == "grad_output"),
+                                    (direction == "forward") & (role == "output"), arg),
+                                   (role == "parameter_grad", role == "parameter", np.zeros(n, np.int64))):
+        at, source = np.flatnonzero(gradients), np.flatnonzero(of)
+        if len(at) and len(source):
+            found = lookup([k[at] for k in names] + [own_arg[at]], [k[source] for k in names] + [arg[source]])
+            tensor[at] = np.where(found >= 0, identity[source[np.maximum(found, 0)]], -1)
+    if not (tensor >= 0).any():
+        return bound, readers_fail
+    # its readers: the forward inputs holding that tensor, and what their backward calls sent to them
+    readers = np.flatnonzero((direction == "forward") & (role == "input") & (identity >= 0))
+    sent = np.flatnonzero((direction == "backward") & (role == "grad_input"))
+    at = lookup([k[readers] for k in names] + [arg[readers]], [k[sent] for k in names] + [arg[sent]])
+    readers, sent = readers[at >= 0], sent[at[at >= 0]]
+    norm = rows["norm_a"].astype(np.float64)
+    codes, inverse = np.unique(identity[readers], return_inverse=True)
+    with np.errstate(invalid="ignore"):
+        amounts = np.where(norm[sent] > 0, error[sent] * norm[sent], 0.0)
+    weighted = np.bincount(inverse, np.nan_to_num(amounts, nan=0.0, posinf=np.inf), len(codes))
+    any_fails = np.bincount(inverse, failing[sent], len(codes)) > 0
+    place = np.searchsorted(codes, tensor)
+    known = (tensor >= 0) & (place < len(codes))
+    known[known] &= codes[place[known]] == tensor[known]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        own = norm[known]
+        total = weighted[place[known]]
+        bound[known] = np.where(own > 0, total / np.where(own > 0, own, 1.0), np.where(total > 0, np.inf, 0.0))
+    readers_fail[known] = any_fails[place[known]]
+    return bound, readers_fail
