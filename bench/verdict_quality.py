@@ -1,6 +1,7 @@
 """The verdict's scoreboard: emulated devices (ulp noise, TF32 matmuls, one faulty call or its
 gradient, SDPA against manual attention) on toy models, runs that differ in the optimizer's eps,
-one sample of the batch, the seed or the dtype, and real PI0 with 1 against 2 threads, each
+one sample of the batch, the seed or the dtype, a difference placed where each explanation rule
+applies (rule_cases), and real PI0 with 1 against 2 threads, each
 compared the way a user would; prints case, verdict, first divergence (kind, name, direction,
 evidence), top culprit group and whether that is right. A benchmark to
 read, not a test (tests/test_verdict.py asserts the acceptance cases).
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pi0align.testing.scenarios import pi0_cases, play, toy_cases
+from pi0align.testing.scenarios import pi0_cases, play, rule_cases, toy_cases
 
 
 def main() -> None:
@@ -25,7 +26,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="folder for the dumps (default: a temporary one)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    cases = toy_cases() + (pi0_cases() if args.pi0 else [])
+    cases = toy_cases() + rule_cases() + (pi0_cases() if args.pi0 else [])
     with tempfile.TemporaryDirectory() as temporary:
         work = args.work or Path(temporary)
         work.mkdir(parents=True, exist_ok=True)

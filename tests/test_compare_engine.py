@@ -77,11 +77,13 @@ def test_different_seeds_diverge(tmp_path, mode):
 
 
 def test_different_data_diverges_in_stats_mode(tmp_path):
+    """The factory's dumps record no batch and hold no checksums: the model's inputs that no dumped
+    call produced stand for it, named after the first call that read them."""
     result = compare_dumps(make(tmp_path, "a"), make(tmp_path, "b", data_seed=3))
     assert result.verdict == "diverged"
-    assert result.first_divergence.name == "model.layers.0.linear/Functional.linear#0"
-    assert any("model.layers.0.linear/Functional.linear#0 (step 0, input 0) differs: an input that no dumped call "
-               "produced" in note for note in result.notes), result.notes
+    first = result.first_divergence
+    assert (first.kind, first.name, first.step) == ("data", "model.layers.0.linear/Functional.linear#0/input 0", 0)
+    assert result.culprit_groups[0].kind == "data"
 
 
 def test_different_weights_in_manifest_is_never_aligned(tmp_path):

@@ -1,8 +1,9 @@
-"""`pi0align replay DUMP NAME [--against OTHER]`: replay one dumped call in float64 on the CPU and
-print each side's local error (its results against the float64 result of its own inputs).
+"""`pi0align replay DUMP NAME [--against OTHER]`: replay one dumped call, or one optimizer update,
+in float64 on the CPU and print each side's local error (its results against the float64 result
+of its own inputs). A batch (`.../Data#k`) is read, not computed: its checksums are compared.
 
-Exit code: 0 (no side wrong), 1 (a side's local error is beyond the other's, as compare judges
-it), 2 bad input (one line on stderr).
+Exit code: 0 (no side wrong; the batches hold the same bits), 1 (a side's local error is beyond
+the other's, as compare judges it; the batches differ), 2 bad input (one line on stderr).
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from pi0align.cli.steps import parse_steps
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dump", metavar="DUMP", help="a tensor-mode pi0align dump file or run folder")
-    parser.add_argument("name", metavar="NAME", help="the call's name, e.g. 'model.layers.1.mlp/Functional.gelu#0'")
+    parser.add_argument("name", metavar="NAME",
+                        help="the call's name, e.g. 'model.layers.1.mlp/Functional.gelu#0'; an optimizer update "
+                             "'<parameter>/Optimizer.step#0'; a batch '<key>/Data#0'")
     parser.add_argument("--against", metavar="OTHER", help="the other run's dump: replay its call of that name too")
     parser.add_argument("--step", type=parse_steps, help="the step (default: the first that holds the call)")
-    parser.add_argument("--direction", choices=("forward", "backward"), default="forward",
-                        help="(default: %(default)s)")
+    parser.add_argument("--direction", choices=("forward", "backward"), default=None,
+                        help="forward or backward (default: forward; an update's and a batch's own)")
     parser.add_argument("--rank", type=int, default=0, help="the rank, in a run folder of several (default: 0)")
 
 
@@ -29,7 +32,7 @@ def main(args: argparse.Namespace) -> int:
 
     from pi0align.compare.judge import wrong_sides
     from pi0align.compare.open_dump import open_run
-    from pi0align.compare.replayed import RecordedCalls
+    from pi0align.compare.replayed import RESULT_ROLES, RecordedCalls
     from pi0align.compare.thresholds import UNIT_ROUNDOFF, dtype_class
     from pi0align.errors import UserError
     from pi0align.replay import replay
@@ -37,32 +40,41 @@ def main(args: argparse.Namespace) -> int:
 
     if args.step is not None and len(args.step) != 1:
         raise UserError("--step takes one step")
+    kind = "optimizer" if "/Optimizer.step#" in args.name else "data" if "/Data#" in args.name else "forward"
+    if args.direction is not None and kind != "forward":
+        what = "an optimizer update" if kind == "optimizer" else "a batch"
+        raise UserError(f"--direction is for API calls; {args.name} is {what}")
+    direction = args.direction or kind
     step = args.step[0] if args.step else None
     paths = [args.dump] + ([args.against] if args.against else [])
-    results, units = [], []
+    results, units, checksums = [], [], []
     for path in paths:
         runs = open_run(path, None if step is None else {step})
         try:
             if args.rank not in runs:
                 raise UserError(f"{path} has no rank {args.rank} (ranks: {', '.join(map(str, sorted(runs)))})")
             dump = runs[args.rank]
-            if dump.mode != "tensor":
+            if dump.mode != "tensor" and direction != "data":
                 raise UserError(f"{path}: a {dump.mode}-mode dump: replay needs full tensors (--dump-mode tensor)")
             calls = RecordedCalls(dump)
-            found = calls.find(args.name, step, args.direction)
+            found = calls.find(args.name, step, direction)
             if found is None:
-                raise UserError(f"{path}: no {args.direction} call named {args.name!r}"
+                what = {"optimizer": "optimizer update", "data": "batch record"}.get(direction, f"{direction} call")
+                raise UserError(f"{path}: no {what} named {args.name!r}"
                                 + (f" at step {step}" if step is not None else ""))
             step = found[0]
-            recorded = calls.recorded(*found, args.direction)
+            records = dump.records
+            mine = (records["step"] == found[0]) & (records["call"] == found[1])
+            if direction == "data":  # read, not computed: nothing to replay, its bits tell
+                checksums.append(int(records["checksum"][mine][0]))
+                continue
+            recorded = calls.recorded(*found, direction)
             if isinstance(recorded, str):
                 raise UserError(f"{path}: {args.name} cannot be replayed: {recorded}")
             result = replay(recorded)
             if not result:
                 raise UserError(f"{path}: {args.name} cannot be replayed: {result.reason}")
-            records = dump.records
-            role = "output" if args.direction == "forward" else "grad_input"
-            mine = (records["step"] == found[0]) & (records["call"] == found[1]) & (records["role"] == role)
+            mine &= records["role"] == RESULT_ROLES[direction]
             units.append(max((UNIT_ROUNDOFF[dtype_class(d)] for d in records["dtype"][mine].tolist()), default=0.0))
             results.append(result)
         finally:
@@ -70,7 +82,9 @@ def main(args: argparse.Namespace) -> int:
                 run.close()
 
     console = Console()
-    table = Table(title=f"{args.name} · step {step} · {args.direction}: local error against float64",
+    if direction == "data":
+        return _batch(console, args.name, step, paths, checksums)
+    table = Table(title=f"{args.name} · step {step} · {direction}: local error against float64",
                   title_justify="left")
     table.add_column("result", justify="right")
     for label in ("A", "B")[:len(results)]:
@@ -86,3 +100,18 @@ def main(args: argparse.Namespace) -> int:
     verdict = "B is wrong" if b_wrong else "A is wrong" if a_wrong else "both within noise of each other"
     console.print(f"verdict: {verdict}", style="bold red" if b_wrong or a_wrong else "bold green")
     return 1 if b_wrong or a_wrong else 0
+
+
+def _batch(console, name: str, step: int, paths: list[str], checksums: list[int]) -> int:
+    """A batch is read, not computed: nothing to replay. Its checksums say whether the two runs
+    were handed the same bits (-1: not recorded)."""
+    console.print(f"{name} (step {step}) is the model's input: a batch is read, not computed, so it is not "
+                  "replayed; its checksums tell whether the runs were handed the same bits")
+    for label, path, checksum in zip("AB", paths, checksums):
+        console.print(f"  {label} ({path}): checksum {checksum if checksum != -1 else 'not recorded'}")
+    if len(checksums) < 2 or -1 in checksums:
+        return 0
+    same = checksums[0] == checksums[1]
+    console.print("verdict: the same batch" if same else "verdict: the batches differ",
+                  style="bold green" if same else "bold red")
+    return 0 if same else 1

@@ -44,11 +44,15 @@ def noise_floor(unit: np.ndarray) -> np.ndarray:
 def conditions(calls: Table, records: Table, call_of_record: np.ndarray) -> np.ndarray:
     """C per call: 1, except for the matmul family, where a relative error ε of either operand
     becomes ε ‖A‖ ‖B‖ / (√K ‖AB‖) in the product (K the reduction length): 1 for operands of
-    independent entries, more where the product cancels (a small output of large operands).
-    `records`: the judged records (norm_a, shape_a, role, arg_index); `call_of_record`: each
+    independent entries, more where the product cancels (a small output of large operands); and
+    for backward calls that sum a gradient over positions (the gradient of a weight or a bias:
+    fewer elements out than in), `reduction_condition`; for the calls that select a part of their
+    input (SELECTIONS), ‖x‖ / ‖part‖: all of the input's error may sit in the part. `records`: the
+    judged records (norm_a, min_a, max_a, shape_a, role, arg_index); `call_of_record`: each
     record's row in `calls`."""
-    condition = np.ones(len(calls))
     function = np.array([api.rpartition(".")[2] for api in calls["api"].tolist()], dtype=object)
+    condition = np.maximum(_summing_conditions(calls, records, call_of_record),
+                           _selection_conditions(calls, records, call_of_record, function))
     matmul = np.flatnonzero(np.isin(function, list(MATMULS)))
     if not len(matmul):
         return condition
@@ -114,6 +118,66 @@ def step_bounds(calls: Table, records: Table, call_of_record: np.ndarray,
     found = p_after >= 0
     left[at[found]] = error[p_after[found]]
     return bound, left
+
+
+# APIs whose outputs are parts of their first input
+SELECTIONS = frozenset({"unbind", "split", "split_with_sizes", "tensor_split", "chunk", "__getitem__", "narrow",
+                        "select", "index_select", "gather", "take", "masked_select", "diagonal", "take_along_dim"})
+
+
+def _selection_conditions(calls: Table, records: Table, call_of_record: np.ndarray, function: np.ndarray) -> np.ndarray:
+    """Per selecting call, the largest over its outputs of ‖x‖ / ‖part‖ and max|x| / max|part| (the
+    statistics' own scales: the norm's and the extremes'), x its first input; 1 elsewhere."""
+    condition = np.ones(len(calls))
+    selecting = np.isin(function, list(SELECTIONS)) & (calls["direction"] == "forward")
+    if not selecting.any():
+        return condition
+    on = selecting[call_of_record]
+    whole = np.flatnonzero(on & (records["role"] == "input") & (records["arg_index"] == 0))
+    parts = np.flatnonzero(on & (records["role"] == "output"))
+    of_call = np.full(len(calls), -1, np.int64)
+    of_call[call_of_record[whole]] = whole
+    x = of_call[call_of_record[parts]]
+    parts, x = parts[x >= 0], x[x >= 0]
+    norm = records["norm_a"].astype(np.float64)
+    largest = np.fmax(np.abs(records["min_a"].astype(np.float64)), np.abs(records["max_a"].astype(np.float64)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.fmax(norm[x] / norm[parts], largest[x] / largest[parts])
+    ratio = np.where(np.isfinite(ratio), np.maximum(ratio, 1.0), 1.0)
+    np.maximum.at(condition, call_of_record[parts], ratio)
+    return condition
+
+
+def reduction_condition(incoming_norm, incoming_numel, result_norm, result_numel) -> np.ndarray:
+    """The condition of a gradient summed over positions, g = Σ_p G_p (P = numel(G) / numel(g)
+    terms): an error of G may add up alike at every position while the values cancel, so by the
+    triangle inequality ‖δg‖ ≤ √P ‖δG‖, and g's relative error is at most √P ‖G‖ / ‖g‖ times G's
+    (1 for terms of independent signs, more where the sum cancels)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.sqrt(np.asarray(incoming_numel, np.float64) / np.asarray(result_numel, np.float64))
+        condition = ratio * np.asarray(incoming_norm, np.float64) / np.asarray(result_norm, np.float64)
+    return np.where(np.isfinite(condition), np.maximum(condition, 1.0), 1.0)
+
+
+def _summing_conditions(calls: Table, records: Table, call_of_record: np.ndarray) -> np.ndarray:
+    """Per call, the largest reduction_condition of its backward results with fewer elements than
+    its incoming gradient (1 where it has none)."""
+    condition = np.ones(len(calls))
+    backward = records["direction"] == "backward"
+    incoming = np.flatnonzero(backward & (records["role"] == "grad_output") & (records["arg_index"] == 0))
+    results = np.flatnonzero(backward & (records["role"] == "grad_input"))
+    if not len(incoming) or not len(results):
+        return condition
+    norm = records["norm_a"].astype(np.float64)
+    numel = np.array([_numel(str(shape)) for shape in records["shape_a"].tolist()], np.float64)
+    of_call = np.full(len(calls), -1, np.int64)
+    of_call[call_of_record[incoming]] = incoming
+    g = of_call[call_of_record[results]]
+    summed = results[(g >= 0) & (numel[results] < numel[np.maximum(g, 0)])]
+    g = of_call[call_of_record[summed]]
+    summing = reduction_condition(norm[g], numel[g], norm[summed], numel[summed])
+    np.maximum.at(condition, call_of_record[summed], summing)
+    return condition
 
 
 @functools.lru_cache(maxsize=4096)

@@ -193,13 +193,19 @@ def _made_inside(rows: Table, calls: Table, call: np.ndarray, judgement: Judgeme
     return explained
 
 
-# What an unexplained failing record is, by its role: where its difference came from
+# What an unexplained failing record is, by its direction and role: where its difference came from
 _SOURCES = {
-    "input": "an input that no dumped call produced: the model's inputs, or an operation that was not dumped",
-    "grad_output": "a gradient flowing into the call that its readers' dumped gradients do not explain: a "
-                   "hook, gradient accumulation, or a backward operation that was not dumped",
-    "parameter_grad": "a parameter's gradient that no dumped backward call explains: gradient accumulation, "
-                      "all-reduce, a hook, or an operation that was not dumped",
+    ("forward", "input"): "an input that no dumped call produced: the model's inputs, or an operation that was "
+                          "not dumped",
+    ("backward", "grad_output"): "a gradient flowing into the call that its readers' dumped gradients do not "
+                                 "explain: a hook, gradient accumulation, or a backward operation that was not "
+                                 "dumped",
+    ("parameter", "parameter_grad"): "a parameter's gradient that no dumped backward call explains: gradient "
+                                     "accumulation, all-reduce, a hook, or an operation that was not dumped",
+    ("optimizer", "input"): "what the optimizer's update read differs from what the step left (the parameter, "
+                            "its gradient beyond what clipping explains, or the states of the update before): "
+                            "something changed it between backward and the update (a hook, gradient "
+                            "accumulation, all-reduce)",
 }
 
 
@@ -213,7 +219,7 @@ def unexplained_source(rows: Table, calls: Table, stack_of) -> tuple[CallRef | N
                         rows["step"][failing], rows["rank"][failing]))
     row = int(failing[order[0]])
     call = calls_of(rows, calls)[row]
-    what = _SOURCES.get(str(rows["role"][row]), "a record that no call's bound explains")
+    what = _SOURCES.get((str(rows["direction"][row]), str(rows["role"][row])), "a record that no call's bound explains")
     note = (f"no call introduces error beyond noise, but {rows['name'][row]} (step {rows['step'][row]}, "
             f"{rows['role'][row]} {rows['arg_index'][row]}) differs: {what}")
     return (call_ref(calls, int(call), stack_of) if call >= 0 else None), note

@@ -12,6 +12,7 @@ import numpy as np
 from pi0align.compare.judge import Judgement
 from pi0align.compare.records import subjects
 from pi0align.compare.result import CulpritGroup
+from pi0align.compare.rootcause import culprit_order
 from pi0align.compare.table import Table
 from pi0align.compare.thresholds import UNIT_ROUNDOFF
 
@@ -33,13 +34,18 @@ def family(api: str, kind: str = "call") -> str:
 
 def culprit_groups(calls: Table, judgement: Judgement,
                    hyper_parameters: list[tuple[str, object, object]]) -> list[CulpritGroup]:
-    """The groups, most culprits first. hyper_parameters: the optimizer settings that differ."""
+    """The groups in the order of their first culprit (earliest step, then the step's phase, most
+    blame first: rootcause.culprits' order), most culprits first among equals: the finding that
+    parted the runs first leads. hyper_parameters: the optimizer settings that differ."""
     if not judgement:
         return []
+    ranked = culprit_order(calls, judgement)
+    place = np.empty(len(calls), np.int64)
+    place[ranked] = np.arange(len(ranked))
     families = np.array([family(api, kind) for api, kind in zip(calls["api"].astype(str).tolist(),
                                                                 calls["kind"].tolist())], dtype=object)
     introduces = calls["outputs_fail"] & (calls["introduced_error"] > 1)
-    groups = []
+    groups, first = [], []
     for kind, api in sorted({(k, f) for k, f in zip(calls["kind"][judgement.culprit].tolist(),
                                                     families[judgement.culprit].tolist())}):
         members = (calls["kind"] == kind) & (families == api)
@@ -50,12 +56,13 @@ def culprit_groups(calls: Table, judgement: Judgement,
         names = calls["name"][guilty].tolist()
         unrecorded = sorted({(int(p), int(s)) for p, s in zip(calls["previous_step"][guilty].tolist(),
                                                                calls["step"][guilty].tolist()) if p >= 0})
+        first.append(int(place[guilty].min()))
         groups.append(CulpritGroup(
             kind=kind, api=api, count=int(guilty.sum()), calls=int(members.sum()), share_introducing=share,
             median_ratio=float(np.median(judgement.blame[guilty])), median_output_error=typical_error,
             hint=hint(kind, api, share, int(members.sum()), unit, typical_error, hyper_parameters, names, unrecorded),
             examples=list(dict.fromkeys(names))[:3]))
-    return sorted(groups, key=lambda g: -g.count)
+    return [group for _, _, group in sorted(zip(first, (-g.count for g in groups), groups), key=lambda t: t[:2])]
 
 
 def hint(kind: str, api: str, share: float, calls: int, unit: float, typical_error: float,

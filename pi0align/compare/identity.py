@@ -72,8 +72,11 @@ def gradient_sources(rows: Table, identity: np.ndarray, error: np.ndarray,
             tensor[at] = np.where(found >= 0, identity[source[np.maximum(found, 0)]], -1)
     if not (tensor >= 0).any():
         return bound, readers_fail
-    # its readers: the forward inputs holding that tensor, and what their backward calls sent to them
+    # its readers: the forward inputs holding that tensor, and what their backward calls sent to
+    # them; a module and the calls inside it read the same tensor, and autograd sums only what the
+    # innermost sent: the API calls' where there are any, else the modules' of the longest path
     readers = np.flatnonzero((direction == "forward") & (role == "input") & (identity >= 0))
+    readers = readers[_innermost_readers(rows, identity, readers)]
     sent = np.flatnonzero((direction == "backward") & (role == "grad_input"))
     at = lookup([k[readers] for k in names] + [arg[readers]], [k[sent] for k in names] + [arg[sent]])
     readers, sent = readers[at >= 0], sent[at[at >= 0]]
@@ -92,3 +95,14 @@ def gradient_sources(rows: Table, identity: np.ndarray, error: np.ndarray,
         bound[known] = np.where(own > 0, total / np.where(own > 0, own, 1.0), np.where(total > 0, np.inf, 0.0))
     readers_fail[known] = any_fails[place[known]]
     return bound, readers_fail
+
+
+def _innermost_readers(rows: Table, identity: np.ndarray, readers: np.ndarray) -> np.ndarray:
+    """Mask over `readers` (forward input rows): of the readers of each tensor, the API calls, or,
+    where only modules read it, those of the deepest module path."""
+    module = np.char.startswith(rows["api"][readers].astype(str), "Module.")
+    depth = np.where(module, np.array([str(m).count(".") + bool(m) for m in rows["module"][readers].tolist()]), 1 << 20)
+    codes, inverse = np.unique(identity[readers], return_inverse=True)
+    deepest = np.full(len(codes), -1, np.int64)
+    np.maximum.at(deepest, inverse, depth)
+    return depth == deepest[inverse]

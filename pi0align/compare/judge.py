@@ -144,10 +144,10 @@ def judge(calls: Table, fallback: str, exact: bool = False) -> Judgement:
     by_bits = exact & changed & (kind == "call") & ~replayed & ~(beyond & peers)
     judged = np.where(replayed, b_wrong | a_wrong, rule)
     # downstream of a culprit, statistics cannot tell the error a call inherited from error it
-    # adds (a LayerNorm's output keeps its norm whatever its elements hold): there a call judged
-    # by statistics is blamed by its bits alone, unless its whole API is off
+    # adds (a LayerNorm's output keeps its norm whatever its elements hold, and the calls after it
+    # seem to amplify what it hid): there a call judged by statistics is blamed by its bits alone
     by_statistics = (calls["metric"] == "stats_rel_err") & ~replayed & isin(kind, ("call", "gradient"))
-    inherited = by_statistics & after_first(calls, innermost(calls, judged)) & ~off
+    inherited = by_statistics & after_first(calls, innermost(calls, judged))
     judged &= ~inherited | (changed & exact)
     culprit = innermost(calls, judged | other_arguments)
     evidence = np.where(other_arguments, "arguments", np.where(by_bits, "exact",
@@ -254,9 +254,10 @@ def updates_off(calls: Table) -> np.ndarray:
 def family_off(calls: Table) -> np.ndarray:
     """The calls of APIs whose typical call is beyond its bound (median introduced error above
     MARGIN) and, in float32, far beyond its dtype's rounding (median output error ≥ FAMILY_UNITS
-    unit roundoffs): every matmul of an fp32 run on TF32 inputs (TF32 keeps 10 mantissa bits:
-    ~1e-4 to 1e-3 where fp32 rounding gives 1e-7), every layer_norm of a bf16 run 3 % off. In
-    half precision the bound's floor (3 u) is already the dtype's rounding."""
+    unit roundoffs), among at least MIN_PEERS call sites: every matmul of an fp32 run on TF32
+    inputs (TF32 keeps 10 mantissa bits: ~1e-4 to 1e-3 where fp32 rounding gives 1e-7), every
+    layer_norm of a bf16 run 3 % off. In half precision the bound's floor (3 u) is already the
+    dtype's rounding."""
     family = Groups(calls["api"], calls["direction"])
     unit = np.maximum(calls["unit_a"], calls["unit_b"]).astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
@@ -264,4 +265,6 @@ def family_off(calls: Table) -> np.ndarray:
     far_units = np.where(np.isin(unit, _HALF), 0.0, FAMILY_UNITS)
     adds = family.median(calls["introduced_error"].astype(np.float64)) > MARGIN
     far = family.median(in_units) >= family.max(far_units)
-    return (adds & far)[family.codes]
+    names = Groups(calls["api"], calls["direction"], calls["name"])
+    several = family.max(np.bincount(family.codes[names.first], minlength=len(family))[family.codes]) >= MIN_PEERS
+    return (adds & far & several)[family.codes]

@@ -123,7 +123,7 @@ class Comparison:
     first_divergence_backward: CallRef | None = None  # the same search over backward calls
     noise_model: str = "intrinsic"  # the best evidence that judged the run: "replay" | "reference" | "intrinsic"
     rows_over_dtype_limits: int = 0  # pairs beyond the fixed dtype limits, whatever the noise model says
-    culprit_groups: list[CulpritGroup] = field(default_factory=list)  # most culprits first
+    culprit_groups: list[CulpritGroup] = field(default_factory=list)  # by their first culprit
     explained: dict[str, int] = field(default_factory=dict)  # `warn` rows by the rule that explained them
 
     @property

@@ -23,7 +23,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pi0align.compare.bounds import conditions, dimensions, introduced, noise_floor, step_bounds
+from pi0align.compare.bounds import (
+    conditions,
+    dimensions,
+    introduced,
+    noise_floor,
+    reduction_condition,
+    step_bounds,
+)
 from pi0align.compare.identity import RESULT_ROLES, gradient_sources, produced
 from pi0align.compare.judge import Judgement
 from pi0align.compare.modules import enclosing_modules, holds_calls
@@ -117,7 +124,13 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     calls["step_bound"], calls["parameter_error"] = step_bounds(calls, judged, groups.codes, error)
     _add_saved_tensors(calls)
     _add_gradient_sources(calls, rows, identity, error_rows, failing_rows)
-    _add_inside_errors(calls, rows, use, groups.codes, identity, error_rows, failing_rows)
+    call_of_row = np.full(len(rows), -1, np.int64)
+    call_of_row[use] = groups.codes
+    producer = produced(rows, identity, isin(rows["role"], RESULT_ROLES) & (call_of_row >= 0))
+    parent = enclosing_modules(calls)
+    _add_inside_errors(calls, rows, call_of_row, producer, parent, identity, error_rows, failing_rows)
+    calls = Table.concat([calls, _batch_stand_ins(calls, rows, call_of_row, producer, parent, error_rows,
+                                                  failing_rows, metric_rows)])
     calls = calls.take(calls["output_error"] > -np.inf)  # calls with no judged output introduce nothing
     calls["kind"] = kinds(calls, first_step)
     calls["inputs_pass"] = ~calls["inputs_fail"]
@@ -236,10 +249,9 @@ def _add_gradient_sources(calls: Table, rows: Table, identity: np.ndarray, error
 
 def _reduction_conditions(calls: Table, rows: Table, gradients: np.ndarray, owners: np.ndarray) -> np.ndarray:
     """The condition of a parameter's gradient as its module's backward computes it, a sum over the
-    P positions of the module's input X of the gradient G flowing in. An error of G may add up
-    alike at every position while the values cancel, so the bound is the triangle inequality's:
-    ‖G‖ ‖X‖ / ‖∂W‖ for a weight (G^T X), √P ‖G‖ / ‖∂b‖ for a bias-like parameter (one value per
-    feature, the sum over the positions of G)."""
+    positions of the module's input X of the gradient G flowing in, by the triangle inequality:
+    ‖G‖ ‖X‖ / ‖∂W‖ for a weight (G^T X), bounds.reduction_condition for a bias-like parameter (one
+    value per feature)."""
     def record(calls_at: np.ndarray, direction: str, role: str) -> np.ndarray:
         keys = [calls[k][calls_at] for k in ("rank", "step", "name")]
         found = lookup(keys + [np.full(len(calls_at), direction, object), np.full(len(calls_at), role, object),
@@ -257,11 +269,12 @@ def _reduction_conditions(calls: Table, rows: Table, gradients: np.ndarray, owne
         if min(g, w) < 0 or not norm[w] > 0:
             continue
         if len(dimensions(str(rows["shape_a"][w])) or ()) >= 2:
-            scale = norm[x] if x >= 0 else np.nan
+            if x >= 0 and np.isfinite(norm[g] * norm[x]):
+                condition[i] = max(1.0, norm[g] * norm[x] / norm[w])
         else:
             dims = dimensions(str(rows["shape_a"][g])) or ()
-            scale = np.sqrt(np.prod(dims[:-1])) if dims else np.nan
-        condition[i] = max(1.0, norm[g] * scale / norm[w]) if np.isfinite(norm[g] * scale) else 1.0
+            if dims:
+                condition[i] = reduction_condition(norm[g], np.prod(dims), norm[w], dims[-1])
     return condition
 
 
@@ -293,23 +306,20 @@ def _add_saved_tensors(calls: Table) -> None:
     calls["inputs_identical"][backward] &= forward["inputs_identical"][source] & ~forward["outputs_differ"][source]
 
 
-def _add_inside_errors(calls: Table, rows: Table, used: np.ndarray, call_of_used: np.ndarray,
-                       identity: np.ndarray, error: np.ndarray, failing: np.ndarray) -> None:
+def _add_inside_errors(calls: Table, rows: Table, call_of_row: np.ndarray, producer: np.ndarray,
+                       parent: np.ndarray, identity: np.ndarray, error: np.ndarray, failing: np.ndarray) -> None:
     """What entered a module from no dumped call: the error of the forward inputs of the calls
     inside it that no dumped call, parameter or batch produced (an operation filtered out, one of
     `torch.ops`, an extension kernel, calls on one side only), and of its output where no call
     inside it produced that. A module holding calls is judged by that error alone (`inside_error`):
-    its calls are judged on their own."""
+    its calls are judged on their own. `call_of_row`: each row's call (-1: none); `producer`: the
+    row that produced each row's tensor (identity.produced); `parent`: modules.enclosing_modules."""
     n = len(calls)
-    parent = enclosing_modules(calls)
     calls["inside_error"] = np.zeros(n)
     calls["with_calls_inside"] = holds_calls(calls, parent)
     if not (parent >= 0).any():
         return
-    call_of_row = np.full(len(rows), -1, np.int64)
-    call_of_row[used] = call_of_used
     in_table = call_of_row >= 0
-    producer = produced(rows, identity, isin(rows["role"], RESULT_ROLES) & in_table)
     forward = rows["direction"] == "forward"
 
     def enclosing(call: int):
@@ -333,6 +343,31 @@ def _add_inside_errors(calls: Table, rows: Table, used: np.ndarray, call_of_used
             calls["inside_error"][module] = max(calls["inside_error"][module], error[row])
 
 
+def _batch_stand_ins(calls: Table, rows: Table, call_of_row: np.ndarray, producer: np.ndarray, parent: np.ndarray,
+                     error: np.ndarray, failing: np.ndarray, metric: np.ndarray) -> Table:
+    """Where a step has no data records (msprobe's dumps; ours with the batch filtered out), the
+    model's inputs are the forward inputs that no dumped call produced, read by calls that no
+    module holds: one data call per such failing input, named after the call that read it
+    (`<call>/input <k>`), at that call's place."""
+    data_steps = set(zip(calls["rank"][calls["direction"] == "data"].tolist(),
+                         calls["step"][calls["direction"] == "data"].tolist()))
+    read = (rows["direction"] == "forward") & (rows["role"] == "input") & (call_of_row >= 0) & failing & (producer < 0)
+    rows_of = [r for r in np.flatnonzero(read).tolist() if parent[call_of_row[r]] < 0
+               and (int(rows["rank"][r]), int(rows["step"][r])) not in data_steps]
+    stand_ins = calls.take(call_of_row[rows_of])
+    n = len(rows_of)
+    stand_ins["direction"] = np.full(n, "data", object)
+    stand_ins["api"] = np.full(n, "Data", object)
+    stand_ins["name"] = np.array([f"{rows['name'][r]}/input {rows['arg_index'][r]}" for r in rows_of], object)
+    stand_ins["output_error"], stand_ins["metric"] = error[rows_of], metric[rows_of]
+    for column, value in (("input_error", 0.0), ("inputs_fail", False), ("outputs_fail", True),
+                          ("inputs_identical", True), ("outputs_differ", True), ("args_differ", False),
+                          ("inside_error", 0.0), ("with_calls_inside", False), ("condition", 1.0),
+                          ("local_error_a", np.nan), ("local_error_b", np.nan), ("replay", "")):
+        stand_ins[column] = np.full(n, value, dtype=object if isinstance(value, str) else None)
+    return stand_ins
+
+
 def first_divergence(calls: Table, guilty: np.ndarray, stack_of: Callable[[int, int, int], list[str]],
                      direction: str | None = None) -> CallRef | None:
     """First call in execution order among `guilty` (of `direction` only, when given)."""
@@ -344,12 +379,16 @@ def first_divergence(calls: Table, guilty: np.ndarray, stack_of: Callable[[int, 
     return call_ref(calls, candidates[0], stack_of)
 
 
+def culprit_order(calls: Table, judgement: Judgement) -> np.ndarray:
+    """The culprits' rows of `calls`, earliest step first, then by the step's phase, most blame first."""
+    guilty = np.flatnonzero(judgement.culprit)
+    return guilty[np.lexsort((-judgement.blame[guilty], phases(calls["direction"][guilty]), calls["step"][guilty]))]
+
+
 def culprits(calls: Table, judgement: Judgement, stack_of: Callable[[int, int, int], list[str]]) -> list[Culprit]:
     """The guilty calls, earliest step first, then by the step's phase (PHASES: forward before
     backward, as a faulty kernel's backward inherits its forward's fault), most blame first."""
-    guilty = np.flatnonzero(judgement.culprit)
-    phase = phases(calls["direction"][guilty])
-    guilty = guilty[np.lexsort((-judgement.blame[guilty], phase, calls["step"][guilty]))][:MAX_CULPRITS]
+    guilty = culprit_order(calls, judgement)[:MAX_CULPRITS]
     number = lambda column, i: float(calls[column][i])
     return [call_ref(calls, i, stack_of, Culprit, introduced_error=number("introduced_error", i),
                  input_error=number("input_error", i), output_error=number("output_error", i),

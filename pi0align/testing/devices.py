@@ -3,9 +3,10 @@
 
 They imitate what differs between devices: results rounded differently (`UlpNoise`), matmul
 inputs rounded to TF32 (`Tf32Matmuls`, what `allow_tf32` and Ascend's HF32 do), one kernel a few
-percent off (`Fault`), an Adam kernel that computes with another epsilon or learning rate than
-its settings say (`AdamKernel`). `UlpNoise` moves values as pi0align's own noise reference does
-(dump/perturb.py's UlpMover) but forward results only: the reference moves gradients too.
+percent off (`Fault`) or every call of one function (`EveryCall`), an Adam kernel that computes
+with another epsilon or learning rate than its settings say (`adam_kernel`). `UlpNoise` moves
+values as pi0align's own noise reference does (dump/perturb.py's UlpMover) but forward results
+only: the reference moves gradients too.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F  # noqa: N812
-import torch.optim.adam
+import torch.optim.adam as adam_functions  # torch.optim's namespace leaves its submodules out
 from torch.overrides import TorchFunctionMode
 
 from pi0align.dump.perturb import UlpMover
@@ -120,6 +121,21 @@ class Fault(TorchFunctionMode):
         return result
 
 
+class EveryCall(TorchFunctionMode):
+    """Every call of `func` returns its result × `factor`: a kernel off wherever it runs."""
+
+    def __init__(self, func, factor: float) -> None:
+        super().__init__()
+        self.func, self.factor = func, factor
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func is self.func and isinstance(result, torch.Tensor):
+            with _quiet():
+                return result * self.factor
+        return result
+
+
 class _GradientTimes(torch.autograd.Function):
     """The identity forward; the gradient flowing back through it × factor."""
 
@@ -138,15 +154,15 @@ def adam_kernel(eps: float | None = None, lr_scale: float = 1.0):
     """torch.optim's Adam and AdamW (single-tensor form, the CPU's) compute with `eps` instead of
     the group's, and the learning rate × `lr_scale`, while their settings, and so the dump's
     records of them, say otherwise: a device kernel with a constant of its own."""
-    original = torch.optim.adam._single_tensor_adam
+    original = adam_functions._single_tensor_adam
 
     def kernel(*args, **kwargs):
         kwargs["eps"] = kwargs["eps"] if eps is None else eps
         kwargs["lr"] = kwargs["lr"] * lr_scale
         return original(*args, **kwargs)
 
-    torch.optim.adam._single_tensor_adam = kernel
+    adam_functions._single_tensor_adam = kernel
     try:
         yield
     finally:
-        torch.optim.adam._single_tensor_adam = original
+        adam_functions._single_tensor_adam = original

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from pi0align.testing.devices import Fault, Tf32Matmuls, UlpNoise, adam_kernel
+from pi0align.testing.devices import EveryCall, Fault, Tf32Matmuls, UlpNoise, adam_kernel
 from pi0align.testing.models import HandWrittenAdamW, Mlp, Transformer
 
 FUNCTIONS = {"linear": F.linear, "gelu": F.gelu, "layer_norm": F.layer_norm, "softmax": torch.softmax,
@@ -35,6 +35,7 @@ class Emulation:
     fault_forwards: int | None = None
     adam_eps: float | None = None
     adam_lr_scale: float = 1.0
+    every: tuple[str, float] | None = None  # (function name, factor): every call of it off
 
     @contextlib.contextmanager
     def on(self, model: torch.nn.Module):
@@ -49,6 +50,8 @@ class Emulation:
             fault = Fault(model.get_submodule(path), FUNCTIONS[function], index, factor,
                           backward=self.fault_backward, forwards=self.fault_forwards)
             modes.append(fault)
+        if self.every is not None:
+            modes.append(EveryCall(FUNCTIONS[self.every[0]], self.every[1]))
         if self.adam_eps is not None or self.adam_lr_scale != 1.0:
             modes.append(adam_kernel(self.adam_eps, self.adam_lr_scale))
         try:
@@ -75,6 +78,7 @@ class ToyRun:
     optimizer: str = "adamw"  # "adamw" (torch.optim.AdamW) | "handwritten" (testing.models.HandWrittenAdamW)
     level: str = "mix"
     changed_sample_at: int | None = None  # the step whose batch has its first sample changed
+    sample_change: float | None = None  # that sample × (1 + this) instead of drawn again
     record_optimizer: bool = True  # Dumper.start(model, optimizer=...): its updates recorded
     steps: int = 2  # trained
     dumped: tuple[int, ...] = (0, 1)  # the steps dumped
@@ -82,6 +86,13 @@ class ToyRun:
     # (parameter, factor, step): that parameter's gradient × factor after backward at that step,
     # before the optimizer reads it (a hook, gradient accumulation or all-reduce gone wrong)
     gradient_scaled: tuple[str, float, int] | None = None
+    # (parameter, factor): the optimizer leaves that parameter × factor after each update (a bug in
+    # one update, inside the optimizer's step: its records see it)
+    update_scaled: tuple[str, float] | None = None
+    head_scale: float = 1.0  # the head's initial weights × this: tiny gradients into the model, computed
+    checksums: bool = True  # False: the dump's checksums erased afterwards, as msprobe's dumps have none
+    # (module, factor): a backward hook of that module sends its input's gradient × factor back
+    module_gradient_scaled: tuple[str, float] | None = None
 
 
 def dump_toy(path: str | Path, run: ToyRun) -> Path:
@@ -91,15 +102,25 @@ def dump_toy(path: str | Path, run: ToyRun) -> Path:
     torch.manual_seed(run.seed)
     # the model made in float32 and cast: a bf16 run holds the fp32 run's initial weights, rounded
     model = Mlp() if run.model == "mlp" else Transformer(sdpa=run.sdpa)
+    with torch.no_grad():
+        model.head.weight.mul_(run.head_scale)
     model = model.to(DTYPES[run.dtype])
     shape = (16, 48) if run.model == "mlp" else (4, 12, 32)
     data = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     changed = data.clone()
-    changed[0] = torch.randn(*shape[1:], generator=torch.Generator().manual_seed(2))
+    changed[0] = (torch.randn(*shape[1:], generator=torch.Generator().manual_seed(2)) if run.sample_change is None
+                  else data[0] * (1 + run.sample_change))
     # made before the emulated device and the dumper: the batch as a loader hands it over
     batches = [(changed if step == run.changed_sample_at else data).to(DTYPES[run.dtype]) for step in range(run.steps)]
     optimizers = {"adamw": torch.optim.AdamW, "handwritten": HandWrittenAdamW}
     optimizer = optimizers[run.optimizer](model.parameters(), lr=run.lr, eps=run.eps)
+    if run.module_gradient_scaled is not None:  # before the dumper's hooks too
+        hooked, factor = run.module_gradient_scaled
+        model.get_submodule(hooked).register_full_backward_hook(
+            lambda module, grad_input, grad_output: tuple(None if g is None else g * factor for g in grad_input))
+    if run.update_scaled is not None:  # before the dumper's hooks, so that its records see it
+        scaled, factor = model.get_parameter(run.update_scaled[0]), run.update_scaled[1]
+        optimizer.register_step_post_hook(lambda *_: scaled.data.mul_(factor))
     with run.device.on(model), Dumper(path, steps=run.dumped, level=run.level, mode=run.mode,
                                       exclude=list(run.exclude) or None, perturb_ulps=run.perturb_ulps,
                                       perturb_seed=run.seed + 7) as dumper:
@@ -114,6 +135,12 @@ def dump_toy(path: str | Path, run: ToyRun) -> Path:
             optimizer.zero_grad()
             dumper.record_metrics(step, loss, lr=optimizer.param_groups[0]["lr"])
             dumper.step()
+    if not run.checksums:
+        import h5py
+
+        with h5py.File(dumper.file, "r+") as f:
+            for step in f["steps"].values():
+                step["records"]["checksum"][...] = -1
     return Path(path)
 
 
@@ -260,6 +287,60 @@ def kind_cases() -> list[Case]:
                         ToyRun(model=model, mode=mode, level=level, device=once))
                 cases.append(Case(f"{model} fp32 {mode} {level}: {function} 3% off at step 0 only", a, b, "diverged",
                                   top, step=0))
+    return cases
+
+
+def rule_cases() -> list[Case]:
+    """For each rule that explains a failing row or keeps a call from being a culprit, a real
+    difference of the kind it could hide, a few times the dtype's limit (or the rule's own bound),
+    placed where it applies (tests/test_verdict_rules.py; docs/compare.md, "Bounds")."""
+    no_records, gap = {"record_optimizer": False}, {"record_optimizer": False, "steps": 3, "dumped": (0, 2)}
+    sdpa = lambda **b: ToyRun(model="transformer", mode="stats", sdpa=True, **b)  # noqa: E731
+    cases = []
+    for mode in ("stats", "tensor"):
+        a = ToyRun(mode=mode, **no_records)
+        cases += [Case(f"mlp fp32 {mode}: AdamW eps 1e-4, updates not recorded", a, ToyRun(mode=mode, eps=1e-4,
+                                                                                          **no_records),
+                       "diverged", kind="optimizer", direction="parameter", step=1, group="Optimizer.step"),
+                  Case(f"mlp fp32 {mode}: updates not recorded, same run", a, ToyRun(mode=mode, **no_records),
+                       "aligned")]
+    cases.append(Case("mlp fp32 stats: AdamW eps 1e-4, steps 0 and 2 dumped", ToyRun(mode="stats", **gap),
+                      ToyRun(mode="stats", eps=1e-4, **gap), "diverged", kind="optimizer", direction="parameter",
+                      step=2, group="Optimizer.step"))
+    for factor, times in ((1.002, 20), (1.0005, 5)):
+        cases.append(Case(f"transformer fp32 stats: SDPA vs manual + linear {times}x the limit off",
+                          ToyRun(model="transformer", mode="stats"),
+                          sdpa(device=Emulation(fault=("layers.1.mlp", "linear", 0, factor))), "diverged",
+                          "layers.1.mlp.0/Functional.linear#0", step=0))
+    cases.append(Case("transformer fp32 stats: SDPA vs manual attention", ToyRun(model="transformer", mode="stats"),
+                      sdpa(), "aligned"))
+    for excluded, function, culprit in (("blocks.2.2", "gelu", "blocks.2/Module.Sequential#0"),
+                                        ("blocks.1.1", "layer_norm", "blocks.1/Module.Sequential#0")):
+        hidden = (f"{excluded}/*",)
+        faulty = Emulation(fault=(excluded, function, 0, 1.0005))
+        cases.append(Case(f"mlp fp32 stats: {function} not dumped, 5x the limit off",
+                          ToyRun(mode="stats", exclude=hidden), ToyRun(mode="stats", exclude=hidden, device=faulty),
+                          "diverged", culprit, step=0))
+    cases.append(Case("mlp bf16 stats: ulp noise + every layer_norm 3% off",
+                      ToyRun(dtype="bf16", mode="stats", device=NOISY),
+                      ToyRun(dtype="bf16", mode="stats", device=Emulation(ulp_noise=1, ulp_seed=2,
+                                                                          every=("layer_norm", 1.03))),
+                      "diverged", "blocks.0.1/Functional.layer_norm#0", step=0, group="Functional.layer_norm"))
+    bare = {"exclude": ("*/Data#*",), "checksums": False}  # as msprobe's dumps
+    cases.append(Case("mlp fp32 stats, no checksums or batch records: one sample 1% off at step 1",
+                      ToyRun(mode="stats", **bare),
+                      ToyRun(mode="stats", changed_sample_at=1, sample_change=1e-2, **bare),
+                      "diverged", "/Module.Mlp#0/input 0", kind="data", direction="data", step=1))
+    cases.append(Case("mlp fp32 stats: ulp noise + one update leaves its weight 20% off",
+                      ToyRun(mode="stats", device=NOISY),
+                      ToyRun(mode="stats", device=Emulation(ulp_noise=1, ulp_seed=2),
+                             update_scaled=("blocks.1.0.weight", 1.2)),
+                      "diverged", "blocks.1.0.weight/Optimizer.step#0", kind="optimizer", direction="optimizer",
+                      step=0))
+    kernel = Emulation(adam_eps=1e-4)
+    cases.append(Case("mlp fp32 tensor: AdamW kernel computes with eps 1e-4, its settings say 1e-8", ToyRun(),
+                      ToyRun(device=kernel), "diverged", kind="optimizer", direction="optimizer", step=0,
+                      group="Optimizer.step"))
     return cases
 
 

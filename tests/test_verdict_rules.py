@@ -1,0 +1,300 @@
+"""Every rule that explains a failing row, or keeps a call from being a culprit, against what it
+could hide (docs/compare.md, "Bounds" and "Explained rows"): a real difference of the kind the rule
+explains, a few times the dtype's limit (or the rule's own bound), placed where the rule applies,
+comes out `diverged` with the right culprit. Each of these cases came out `aligned`, or named
+another call, before the rule was bounded. Beside them, the judging functions on small
+hand-built tables."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pi0align.compare.bounds import MARGIN, introduced, noise_floor, reduction_condition
+from pi0align.compare.identity import gradient_sources, tensor_identities
+from pi0align.compare.judge import judge
+from pi0align.compare.noise import rounding_level
+from pi0align.compare.reference import raised_limits
+from pi0align.compare.rootcause import CALL_COLUMNS
+from pi0align.compare.table import Table
+from pi0align.compare.thresholds import DEFAULT_THRESHOLDS, UNIT_ROUNDOFF
+from pi0align.compare.verdict import metric_errors, metric_limits
+from pi0align.testing.scenarios import Case, ToyRun, play, rule_cases
+
+BF16, FP32 = UNIT_ROUNDOFF["bfloat16"], UNIT_ROUNDOFF["float32"]
+
+
+CASES = {case.name: case for case in rule_cases()}
+
+
+@pytest.fixture(scope="module")
+def workbench(tmp_path_factory):
+    torch.set_num_threads(1)
+    return tmp_path_factory.mktemp("rules"), {}
+
+
+def _play(name: str, workbench):
+    case = CASES[name]
+    result, right = play(case, *workbench)
+    culprits = [(c.step, c.kind, c.name, c.evidence) for c in result.culprits[:4]]
+    assert right, f"{case.name}: {result.verdict}, culprits {culprits}, notes {result.notes[-2:]}"
+    return result
+
+
+# -- end to end: one case per rule (pi0align.testing.scenarios.rule_cases) ---------------------
+
+@pytest.mark.parametrize("mode", ["stats", "tensor"])
+def test_an_update_not_recorded_is_the_culprit_where_the_parameters_part(mode, workbench):
+    """msprobe's habit, `start(model)` without `optimizer=`: B's AdamW has eps 1e-4 (A 1e-8); step
+    0 agrees bit for bit, the parameters part at step 1. Before: aligned, 0 culprits."""
+    result = _play(f"mlp fp32 {mode}: AdamW eps 1e-4, updates not recorded", workbench)
+    assert len(result.culprit_groups) == 1
+    hint = result.culprit_groups[0].hint
+    assert "between step 0 and 1" in hint and "optimizer=" in hint
+    assert not _play(f"mlp fp32 {mode}: updates not recorded, same run", workbench).culprits
+
+
+def test_a_gap_in_the_dumped_steps_names_the_steps_between(workbench):
+    hint = _play("mlp fp32 stats: AdamW eps 1e-4, steps 0 and 2 dumped", workbench).culprit_groups[0].hint
+    assert "between step 0 and 2" in hint and "steps that were not dumped" in hint
+
+
+@pytest.mark.parametrize("times", [20, 5])
+def test_a_call_that_amplifies_what_it_was_handed_is_judged_whatever_its_inputs(times, workbench):
+    """B's attention is SDPA (another call sequence, fp32 rounding apart), and the next Linear is
+    0.2 % (20× the fp32 limit) or 0.05 % (5×) off, statistics only, bit-comparable manifests.
+    Before: "diverged, 0 culprits", or aligned. Without the fault: aligned, 0 culprits."""
+    result = _play(f"transformer fp32 stats: SDPA vs manual + linear {times}x the limit off", workbench)
+    assert result.culprits[0].name == "layers.1.mlp.0/Functional.linear#0"
+    assert not _play("transformer fp32 stats: SDPA vs manual attention", workbench).culprits
+
+
+@pytest.mark.parametrize("function", ["gelu", "layer_norm"])
+def test_a_module_is_blamed_for_what_it_ran_that_was_not_dumped(function, workbench):
+    """An operation filtered out of the dump (as `torch.ops.*` or an extension kernel would be),
+    the module's last or one in its middle, is 5e-4 off (5× the fp32 limit): the module that ran
+    it is the culprit. Before: a module holding dumped calls was never blamed (aligned, or
+    diverged with no culprit)."""
+    result = _play(f"mlp fp32 stats: {function} not dumped, 5x the limit off", workbench)
+    assert len(result.culprits) == 1 and result.culprits[0].api == "Module.Sequential"
+
+
+def test_a_systematic_fault_in_half_precision_is_found(workbench):
+    """bf16 under ulp noise, every layer_norm 3 % off (7.7 unit roundoffs): no call stands out from
+    its peers, yet the API is off as a family. Before: aligned (the family rule was fp32's)."""
+    _play("mlp bf16 stats: ulp noise + every layer_norm 3% off", workbench)
+
+
+def test_a_changed_batch_in_a_dump_without_checksums_or_data_records_is_the_data(workbench):
+    """A dump that records neither checksums nor the batch (msprobe's): one sample of step 1's batch
+    1 % off. The model's input that no dumped call produced stands for the batch. Before: a GELU
+    deep in the model was the top culprit."""
+    result = _play("mlp fp32 stats, no checksums or batch records: one sample 1% off at step 1", workbench)
+    assert [c.kind for c in result.culprits] == ["data"]
+
+
+@pytest.mark.parametrize("run, where", [
+    (ToyRun(mode="stats", gradient_scaled=("blocks.1.0.weight", 1.0005, 0)), "blocks.1.0.weight/Optimizer.step#0"),
+    (ToyRun(mode="stats", module_gradient_scaled=("blocks.1", 1.0005)), "blocks.0.2/Functional.gelu#0"),
+    (ToyRun(mode="stats", level="module", module_gradient_scaled=("blocks.1", 1.0005)), "blocks.0.2/Module.GELU#0"),
+], ids=["parameter gradient changed before the update", "a module's backward hook", "the same at level module"])
+def test_gradients_changed_outside_the_dumped_calls_are_never_explained(run, where, workbench):
+    """A gradient changed by 5e-4 (5× the fp32 limit) where no dumped call made it: a parameter's
+    gradient between backward and the update, a module's backward hook. Before: gradients flowing
+    into calls, parameter gradients and the optimizer's inputs were always `warn`: aligned. Now
+    diverged, and, no call being to blame, a note names the record that parted first."""
+    result, _ = play(Case("gradient changed", ToyRun(mode="stats", level=run.level), run, "diverged"), *workbench)
+    assert result.verdict == "diverged" and not result.culprits
+    assert any(where in note and "differs:" in note for note in result.notes), result.notes
+
+
+def test_an_update_that_moves_a_parameter_beyond_one_step_is_the_culprit(workbench):
+    """Under ulp noise (inputs never agree bit for bit), the optimizer leaves one weight 20 % off
+    inside its step: beyond what one Adam step can move it. Before: the next step's Linear."""
+    result = _play("mlp fp32 stats: ulp noise + one update leaves its weight 20% off", workbench)
+    assert {c.name for c in result.culprits} == {"blocks.1.0.weight/Optimizer.step#0"}
+
+
+def test_replay_names_the_side_whose_update_is_wrong(workbench):
+    """B's AdamW kernel computes with eps 1e-4 while its settings (and so its records) say 1e-8:
+    each side's update recomputed in float64 from its own records shows B's far off, A's within
+    float64 rounding of its own."""
+    result = _play("mlp fp32 tensor: AdamW kernel computes with eps 1e-4, its settings say 1e-8", workbench)
+    top = result.culprits[0]
+    assert (top.evidence, top.wrong_side) == ("replay", "B") and top.local_error_a < 1e-6 < 1e-3 < top.local_error_b
+    rows = result.rows
+    updates = rows[rows["direction"].eq("optimizer") & rows["role"].eq("output")]
+    assert (updates["local_error_a"] < 1e-6).all()  # A's AdamW within float64 rounding of its records
+
+
+# -- the judging functions on hand-built tables -----------------------------------------------
+
+def _calls(**columns) -> Table:
+    """A calls table (rootcause.CALL_COLUMNS) of len(columns' arrays) forward API calls, one
+    each of distinct APIs unless given; its introduced_error from its errors, as call_table does."""
+    n = len(next(iter(columns.values())))
+    unit = np.asarray(columns.pop("unit", np.full(n, FP32)), np.float64)
+    defaults = {
+        "rank": np.zeros(n, np.int64), "step": np.zeros(n, np.int64), "direction": np.full(n, "forward", object),
+        "kind": np.full(n, "call", object), "seq_a": np.arange(n),
+        "name": np.array([f"m/F.f{i}#0" for i in range(n)], object),
+        "module": np.full(n, "m", object), "api": np.array([f"Functional.f{i}" for i in range(n)], object),
+        "input_error": np.zeros(n), "output_error": np.zeros(n), "inputs_pass": np.ones(n, bool),
+        "outputs_fail": np.ones(n, bool), "condition": np.ones(n), "floor": noise_floor(unit),
+        "metric": np.full(n, "rel_l2_err", object), "local_error_a": np.full(n, np.nan),
+        "local_error_b": np.full(n, np.nan), "unit_a": unit, "unit_b": unit, "replay": np.full(n, "", object),
+        "args_differ": np.zeros(n, bool), "inputs_identical": np.zeros(n, bool), "outputs_differ": np.ones(n, bool),
+        "inside_error": np.zeros(n), "with_calls_inside": np.zeros(n, bool), "sourced": np.ones(n, bool),
+        "previous_step": np.full(n, -1, np.int64), "step_bound": np.full(n, np.nan),
+        "parameter_error": np.full(n, np.nan),
+    }
+    table = Table({**defaults, **{k: np.asarray(v) for k, v in columns.items()}})
+    table["introduced_error"] = introduced(table["output_error"], table["input_error"], table["condition"],
+                                           table["floor"])
+    return table.select(CALL_COLUMNS)
+
+
+def test_amplification_is_judged_when_the_inputs_already_differ():
+    """A 3 % fault on an input already 0.5 % off (bf16): 6× more error out than in, a culprit;
+    the rule it replaces asked for 10×. The same call passing its input's error on is none."""
+    calls = _calls(input_error=[5e-3, 5e-3], output_error=[np.hypot(5e-3, 3e-2), 5.2e-3], unit=[BF16, BF16],
+                   inputs_pass=[False, False])
+    assert list(judge(calls, "intrinsic").culprit) == [True, False]
+
+
+def test_no_call_is_a_culprit_within_its_rounding_floor():
+    """bf16: an output error of 2.5 unit roundoffs from exact inputs is rounding (floor 3 u);
+    4 u is not. float32: the floor is 16 u, far below any failing row."""
+    calls = _calls(output_error=[2.5 * BF16, 7 * BF16, 1.5e-4], unit=[BF16, BF16, FP32])
+    assert list(judge(calls, "intrinsic").culprit) == [False, True, True]
+
+
+def test_a_linear_is_judged_through_its_condition():
+    """A Linear whose output cancels (C = 8, measured from the norms) may turn 1e-4 in into 1.5e-3
+    out (within 2 × 8 × 1e-4), not 2e-3."""
+    calls = _calls(input_error=[1e-4, 1e-4], output_error=[1.5e-3, 2e-3], condition=[8.0, 8.0],
+                   api=["Functional.linear", "Functional.matmul"])
+    judgement = judge(calls, "intrinsic")
+    assert list(judgement.culprit) == [False, True] and judgement.within[0] == "bound"
+
+
+def test_peers_do_not_hide_an_api_off_as_a_whole_in_half_precision():
+    """Six layer_norm calls each 3 % off in bf16, all alike: off as a family, all culprits."""
+    calls = _calls(input_error=np.full(6, 1e-3), output_error=np.full(6, 3e-2), unit=np.full(6, BF16),
+                   api=np.full(6, "Functional.layer_norm", object))
+    assert judge(calls, "intrinsic").culprit.all()
+    calm = _calls(input_error=np.full(6, 1e-3), output_error=np.r_[np.full(5, 1.2e-3), 3e-2], unit=np.full(6, BF16),
+                  api=np.full(6, "Functional.layer_norm", object))
+    assert list(judge(calm, "intrinsic").culprit) == [False] * 5 + [True]  # one stands out
+
+
+def test_a_module_is_judged_by_what_entered_it_from_no_dumped_call():
+    module = dict(api=["Module.Block"], with_calls_inside=[True], input_error=[1e-8], output_error=[5e-4])
+    assert judge(_calls(**module, inside_error=[5e-4]), "intrinsic").culprit[0]
+    held = judge(_calls(**module, inside_error=[0.0]), "intrinsic")
+    assert not held.culprit[0] and held.within[0] == "inside"
+
+
+def test_an_update_is_bounded_by_one_step_of_its_optimizer():
+    """Adam's update is scale-free: one update far beyond its inputs' error, alone in its step,
+    is explained while it stays within one step (`step`), a culprit beyond it."""
+    n = 6
+    common = dict(kind=np.full(n, "optimizer", object), direction=np.full(n, "optimizer", object),
+                  api=np.full(n, "Optimizer.step", object), input_error=np.full(n, 1e-6),
+                  output_error=np.r_[1e-3, np.full(n - 1, 1e-6)], step_bound=np.full(n, 2e-3))
+    within = judge(_calls(**common, parameter_error=np.r_[1e-3, np.full(n - 1, 1e-6)]), "intrinsic")
+    assert not within.culprit.any() and within.within[0] == "step"
+    beyond = judge(_calls(**common, parameter_error=np.r_[5e-3, np.full(n - 1, 1e-6)]), "intrinsic")
+    assert list(beyond.culprit) == [True] + [False] * (n - 1)
+
+
+def test_statistics_judge_by_bits_downstream_of_a_culprit():
+    """After a culprit, a call judged by statistics that seems to amplify what it was handed is
+    no culprit of its own (a LayerNorm's statistics hide its elements' error); by its bits, in
+    bit-comparable runs, it still is."""
+    calls = _calls(input_error=[0.0, 1e-4, 1e-4], output_error=[3e-2, 1e-3, 1e-3],
+                   metric=np.full(3, "stats_rel_err", object), inputs_identical=[True, False, True])
+    assert list(judge(calls, "intrinsic").culprit) == [True, False, False]
+    assert list(judge(calls, "intrinsic", exact=True).culprit) == [True, False, True]
+
+
+def _gradient_rows(norms_a: list[float], dtype: str) -> Table:
+    """One backward call's gradients: grad_output, then grad_input 0, 1, … (norms on A; B's 1 % apart)."""
+    n = len(norms_a)
+    roles = ["grad_output"] + ["grad_input"] * (n - 1)
+    return Table({"role": np.array(roles, object), "rank": np.zeros(n, np.int64), "step": np.zeros(n, np.int64),
+                  "direction": np.full(n, "backward", object), "seq_a": np.zeros(n), "module": np.full(n, "m", object),
+                  "name": np.full(n, "m/F.linear#0", object), "norm_a": np.array(norms_a),
+                  "norm_b": np.array(norms_a) * 1.01, "dtype_a": np.full(n, dtype, object),
+                  "dtype_b": np.full(n, dtype, object)})
+
+
+def test_rounding_level_is_counted_in_unit_roundoffs():
+    """float32: a gradient 1e-5 of its call's largest is computed, not rounding (below 64 u, 3.8e-6,
+    would be); the rule it replaces took everything under 1e-4 of the largest, 1,700 u, for noise.
+    In bf16 one unit roundoff of the largest."""
+    rows = _gradient_rows([1.0, 1.0, 1e-5, 1e-6], "float32")
+    rounding, notes = rounding_level(rows, np.full(4, "fail", object))
+    assert list(rounding) == [False, False, False, True] and notes
+    rows = _gradient_rows([1.0, 1.0, 3e-3, 5e-3], "bfloat16")
+    assert list(rounding_level(rows, np.full(4, "fail", object))[0]) == [False, False, True, False]
+
+
+def test_near_zero_records_of_the_noise_reference_lift_no_limits():
+    """A reference record at rounding level beside its call's largest differs by ~100 % from A by
+    rounding alone; it lifted the limits of nine calls to 400 %. Now the envelope comes from the
+    rest: a row 5× the fp32 limit off beside it still fails."""
+    n = 4  # one call: a large output, a near-zero one; and the call after it
+    reference = Table({"rank": np.zeros(n, np.int64), "step": np.zeros(n, np.int64),
+                       "direction": np.full(n, "forward", object), "seq_a": np.array([0.0, 0.0, 1.0, 1.0]),
+                       "norm_a": np.array([1.0, 1e-12, 1.0, 1.0]), "dtype_a": np.full(n, "float32", object),
+                       "dtype_b": np.full(n, "float32", object), "pairing": np.full(n, "matched", object),
+                       **{m: np.array([1e-7, 1.0, 1e-7, 1e-7]) for m in ("rel_l2_err", "norm_rel_err",
+                                                                          "mean_val_rel_err", "min_rel_err",
+                                                                          "max_val_rel_err")},
+                       "nan_inf_mismatch": np.zeros(n), "cosine": np.ones(n)})
+    rows = reference.select(list(reference.columns))
+    limits = raised_limits(rows, metric_limits(rows, DEFAULT_THRESHOLDS), reference, metric_errors(reference))
+    assert (limits["rel_l2_err"] == DEFAULT_THRESHOLDS["float32"]["rel_l2_err"]).all()
+    assert (5e-4 > limits["rel_l2_err"]).all()
+
+
+def test_a_gradient_sum_is_bounded_by_what_its_readers_sent():
+    """A tensor read by two calls: the gradient flowing into its producer is the sum of theirs, so
+    its relative error is at most Σ e_i ‖g_i‖ / ‖g‖; a module around a reader reads the same
+    tensor and adds nothing (autograd sums the innermost's)."""
+    n = 6
+    role = ["output", "input", "input", "input", "grad_input", "grad_input"]
+    rows = Table({"rank": np.zeros(n, np.int64), "step": np.zeros(n, np.int64),
+                  "direction": np.array(["forward"] * 4 + ["backward"] * 2, object), "role": np.array(role, object),
+                  "name": np.array(["p/F.a#0", "r/F.b#0", "s/F.c#0", "s/Module.S#0", "r/F.b#0", "s/F.c#0"], object),
+                  "api": np.array(["Functional.a", "Functional.b", "Functional.c", "Module.S", "Functional.b",
+                                   "Functional.c"], object),
+                  "module": np.array(["p", "r", "s", "s", "r", "s"], object), "arg_index": np.zeros(n, np.int64),
+                  "shape_a": np.full(n, "[4]", object), "dtype_a": np.full(n, "float32", object),
+                  "pairing": np.full(n, "matched", object), "checksum_a": np.array([7, 7, 7, 7, 1, 2]),
+                  "checksum_b": np.array([8, 8, 8, 8, 3, 4]), "norm_a": np.array([1.0, 1.0, 1.0, 1.0, 2.0, 1.0])})
+    incoming = Table({"rank": np.zeros(1, np.int64), "step": np.zeros(1, np.int64),
+                      "direction": np.array(["backward"], object), "role": np.array(["grad_output"], object),
+                      "name": np.array(["p/F.a#0"], object), "api": np.array(["Functional.a"], object),
+                      "module": np.array(["p"], object), "arg_index": np.zeros(1, np.int64),
+                      "shape_a": np.array(["[4]"], object), "dtype_a": np.array(["float32"], object),
+                      "pairing": np.array(["matched"], object), "checksum_a": np.array([5]),
+                      "checksum_b": np.array([6]), "norm_a": np.array([2.5])})
+    rows = Table.concat([rows, incoming])
+    for side in "ab":
+        for stat in ("min", "max", "mean"):
+            rows[f"{stat}_{side}"] = np.full(len(rows), np.nan)
+    rows["norm_b"] = rows["norm_a"]
+    error = np.array([0, 0, 0, 0, 1e-3, 4e-3, 0.0])
+    bound, _ = gradient_sources(rows, tensor_identities(rows), error, np.zeros(len(rows), bool))
+    assert bound[-1] == pytest.approx((1e-3 * 2.0 + 4e-3 * 1.0) / 2.5)
+    assert MARGIN * bound[-1] < 6e-3  # a gradient 6e-3 off there is not explained
+
+
+def test_reduction_conditions_cover_a_sum_that_cancels():
+    # a bias gradient summing 16 positions: random terms (‖g‖ ≈ ‖G‖) give 4, a cancelling sum more
+    assert reduction_condition(1.0, 16 * 48, 1.0, 48) == pytest.approx(4.0)
+    assert reduction_condition(1.0, 16 * 48, 0.1, 48) == pytest.approx(40.0)
+    assert reduction_condition(1.0, 48, 2.0, 48) == 1.0
