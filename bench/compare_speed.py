@@ -10,11 +10,12 @@
 3. sequence alignment: 20k calls where run B has 1% extra calls (casts) -- ours against
    msprobe's fuzzy mode (-fm);
 4. tensor mode on our HDF5 dumps: throughput (GB/s of tensor data) and peak resident memory;
-5. replay: a tensor-dumped step of real PI0 small (bf16, 1 against 2 threads) compared with every
-   call replayed in float64, as a ratio to the same compare without replay (goal <= 2x).
+5. replay: two tensor-dumped steps of real PI0 small (bf16, 1 against 2 threads; one with
+   --quick) compared with every call replayed in float64, as a ratio to the same compare without
+   replay (goal <= 2x), and the peak resident memory of both (goal <= 1.5 GiB).
 
-Prints one line per case with both times and the ratio. Needs mindstudio-probe for cases 1-3
-(skipped with a line when absent).
+Prints one line per case with both times, each with its peak resident memory, and the ratio.
+Needs mindstudio-probe for cases 1-3 (skipped with a line when absent).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -42,38 +44,56 @@ TIMEOUT = 600
 # ours as a bare process: start-up and compare_dumps, no report (ours_cli runs the command itself)
 OURS = ("import sys; from pi0align.compare import compare_dumps; "
         "r = compare_dumps(sys.argv[1], sys.argv[2]); print(r.verdict, r.coverage)")
-# ours as a process, also reporting its peak resident memory (kB). VmHWM, not ru_maxrss: Linux
-# carries ru_maxrss over from the forking parent (here, the process that just wrote the dumps).
-OURS_RSS = OURS + ("; print('maxrss_kb', next(int(l.split()[1]) for l in open('/proc/self/status') "
-                   "if l.startswith('VmHWM')))")
 
 
-def timed(command: list[str], timeout: int = TIMEOUT) -> tuple[float, str]:
-    """Wall time and what the process said: its stdout, or its last error line when it failed."""
+class Timed(NamedTuple):
+    seconds: float
+    said: str  # its stdout, or its last error line when it failed
+    peak_gib: float  # its peak resident memory (VmHWM)
+
+
+def timed(command: list[str], timeout: int = TIMEOUT) -> Timed:
+    """Wall time, what the process said, and its peak resident memory: VmHWM read while it runs
+    (ru_maxrss would carry over the forking parent's, here the process that wrote the dumps)."""
     start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err, text=True)
+        peak = 0
+        while process.poll() is None:
+            peak = max(peak, _high_water_kb(process.pid))
+            if time.perf_counter() - start > timeout:
+                process.kill()
+                process.wait()
+                return Timed(float("inf"), f"timeout after {timeout} s", peak / 2**20)
+            time.sleep(0.02)
+        elapsed = time.perf_counter() - start
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if process.returncode in (0, 1) and "Traceback" not in stderr:
+        return Timed(elapsed, stdout.strip(), peak / 2**20)
+    errors = [line for line in (stdout + stderr).splitlines() if "[ERROR]" in line or "Error" in line]
+    return Timed(elapsed, f"failed (exit {process.returncode}): {(errors or ['?'])[-1].strip()[-120:]}", peak / 2**20)
+
+
+def _high_water_kb(pid: int) -> int:
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return float("inf"), f"timeout after {timeout} s"
-    elapsed = time.perf_counter() - start
-    if done.returncode in (0, 1) and "Traceback" not in done.stderr:
-        return elapsed, done.stdout.strip()
-    errors = [line for line in (done.stdout + done.stderr).splitlines() if "[ERROR]" in line or "Error" in line]
-    return elapsed, f"failed (exit {done.returncode}): {(errors or ['?'])[-1].strip()[-120:]}"
+        with open(f"/proc/{pid}/status") as status:
+            return next((int(line.split()[1]) for line in status if line.startswith("VmHWM")), 0)
+    except OSError:  # ended between poll() and here
+        return 0
 
 
-def ours(a: Path, b: Path) -> tuple[float, str]:
+def ours(a: Path, b: Path) -> Timed:
     return timed([PYTHON, "-c", OURS, str(a), str(b)])
 
 
-def ours_cli(a: Path, b: Path, html: Path | None) -> tuple[float, str]:
+def ours_cli(a: Path, b: Path, html: Path | None) -> Timed:
     """`pi0align compare A B` as a user types it: the console summary, and the HTML report at
-    `html` (None: --no-html). Returns the time and the verdict it printed."""
+    `html` (None: --no-html). `said` is the verdict it printed."""
     command = [PI0ALIGN] if PI0ALIGN else [PYTHON, "-m", "pi0align.cli.main"]
     outputs = ["--html", str(html)] if html else ["--no-html"]
-    elapsed, out = timed(command + ["compare", str(a), str(b), *outputs])
-    verdict = next((word for word in ("ALIGNED", "DIVERGED") if word in out), out[-120:])
-    return elapsed, verdict
+    run = timed(command + ["compare", str(a), str(b), *outputs])
+    return run._replace(said=next((word for word in ("ALIGNED", "DIVERGED") if word in run.said), run.said[-120:]))
 
 
 def ours_in_process(a: Path, b: Path) -> float:
@@ -95,13 +115,11 @@ def alignment_alone(a: Path, b: Path) -> float:
     return time.perf_counter() - start
 
 
-def msprobe(a_step: Path, b_step: Path, out: Path, fuzzy: bool = False) -> tuple[float, str]:
+def msprobe(a_step: Path, b_step: Path, out: Path, fuzzy: bool = False) -> Timed:
     command = [MSPROBE, "compare", "--target_path", str(b_step), "--golden_path", str(a_step),
                "--output_path", str(out)] + (["-fm"] if fuzzy else [])
-    elapsed, status = timed(command)
-    if status.startswith(("failed", "timeout")):
-        return elapsed, status
-    return elapsed, msprobe_summary(out)
+    run = timed(command)
+    return run if run.said.startswith(("failed", "timeout")) else run._replace(said=msprobe_summary(out))
 
 
 def msprobe_summary(out: Path) -> str:
@@ -117,9 +135,11 @@ def msprobe_summary(out: Path) -> str:
     return f"{len(results)} rows, {passed / max(len(results), 1):.1%} pass"
 
 
-def line(case: str, ours_s: float, theirs_s: float, extra: str = "") -> None:
-    ratio = theirs_s / ours_s if ours_s > 0 else float("nan")
-    print(f"{case:<52} ours {ours_s:8.2f} s   msprobe {theirs_s:8.2f} s   msprobe/ours {ratio:7.1f}x  {extra}",
+def line(case: str, ours_run: Timed, theirs_run: Timed, extra: str = "") -> None:
+    """One case: both times, each with its peak resident memory, and the ratio of the times."""
+    ratio = theirs_run.seconds / ours_run.seconds if ours_run.seconds > 0 else float("nan")
+    print(f"{case:<52} ours {ours_run.seconds:7.2f} s {ours_run.peak_gib:5.2f} GiB   "
+          f"msprobe {theirs_run.seconds:7.2f} s {theirs_run.peak_gib:5.2f} GiB   msprobe/ours {ratio:6.1f}x  {extra}",
           flush=True)
 
 
@@ -201,15 +221,15 @@ def tensor_throughput(work: Path, gigabytes: float) -> None:
     write_big_dump(b, gigabytes, 2)
     print(f"tensor mode: wrote 2 dumps of {size / 2**30:.2f} GiB tensor data each in "
           f"{time.perf_counter() - start:.0f} s", flush=True)
-    elapsed, out = timed([PYTHON, "-c", OURS_RSS, str(a), str(b)])
-    rss = next((int(t.split()[1]) for t in out.splitlines() if t.startswith("maxrss_kb")), 0) / 2**20
-    print(f"tensor mode: compared 2 x {size / 2**30:.2f} GiB in {elapsed:.2f} s: "
-          f"{size / 2**30 / elapsed:.2f} GiB/s per side ({2 * size / 2**30 / elapsed:.2f} GiB/s both sides read), "
-          f"peak RSS {rss:.2f} GiB", flush=True)
+    run = ours(a, b)
+    print(f"tensor mode: compared 2 x {size / 2**30:.2f} GiB in {run.seconds:.2f} s: "
+          f"{size / 2**30 / run.seconds:.2f} GiB/s per side ({2 * size / 2**30 / run.seconds:.2f} GiB/s both sides "
+          f"read), peak RSS {run.peak_gib:.2f} GiB", flush=True)
 
 
-def replay_cost(work: Path, rounds: int) -> None:
-    """compare_dumps with and without replay on one tensor-dumped PI0 small step, alternating."""
+def replay_cost(work: Path, rounds: int, steps: int) -> None:
+    """compare_dumps with and without replay on tensor-dumped PI0 small steps, alternating; the
+    peak resident memory of each (goal: 1.5 GiB at most for 2 steps, the replay within 2x)."""
     script = ("import sys; from pi0align.compare import compare_dumps; "
               "r = compare_dumps(sys.argv[1], sys.argv[2], replay=sys.argv[3] == 'on'); "
               "print(r.verdict, r.noise_model, len(r.culprits), 'culprits')")
@@ -217,19 +237,19 @@ def replay_cost(work: Path, rounds: int) -> None:
     for threads in (1, 2):  # each in a process of its own: the thread count is the process's
         path = work / f"pi0_threads{threads}"
         make = (f"from pi0align.testing.scenarios import Pi0Run, dump_pi0; "
-                f"dump_pi0({str(path)!r}, Pi0Run(threads={threads}, steps=1))")
+                f"dump_pi0({str(path)!r}, Pi0Run(threads={threads}, steps={steps}))")
         subprocess.run([PYTHON, "-c", make], check=True, capture_output=True, timeout=TIMEOUT)
         runs.append(str(path))
-    times = {"off": [], "on": []}
-    said = {}
+    done: dict[str, list[Timed]] = {"off": [], "on": []}
     for _ in range(rounds):
-        for mode in times:
-            elapsed, said[mode] = timed([PYTHON, "-c", script, *runs, mode])
-            times[mode].append(elapsed)
-    off, on = min(times["off"]), min(times["on"])
-    print(f"replay: PI0 small, one tensor-dumped step, bf16, 1 vs 2 threads: {on:.1f} s with replay, {off:.1f} s "
-          f"without: {on / off:.2f}x (goal <= 2x; best of {rounds} alternating rounds each; "
-          f"with replay: {said['on']}; without: {said['off']})", flush=True)
+        for mode in done:
+            done[mode].append(timed([PYTHON, "-c", script, *runs, mode]))
+    off, on = (min(done[mode], key=lambda run: run.seconds) for mode in ("off", "on"))
+    size = sum(f.stat().st_size for f in Path(runs[0]).rglob("*.h5*")) / 2**20
+    print(f"replay: PI0 small, {steps} tensor-dumped steps ({size:.0f} MiB a side), bf16, 1 vs 2 threads: "
+          f"{on.seconds:.1f} s {on.peak_gib:.2f} GiB with replay, {off.seconds:.1f} s {off.peak_gib:.2f} GiB without: "
+          f"{on.seconds / off.seconds:.2f}x (goal <= 2x, peak <= 1.5 GiB; best of {rounds} alternating rounds each; "
+          f"with replay: {on.said}; without: {off.said})", flush=True)
 
 
 def main() -> None:
@@ -244,33 +264,31 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="compare_speed_"))
     try:
         if args.replay_only:
-            replay_cost(work, 1 if args.quick else 2)
+            replay_cost(work, 1 if args.quick else 2, 1 if args.quick else 2)
             return
         if MSPROBE and not args.tensor_only:
             real_msprobe_dumps(work)
             for n in sizes:
                 a = write_synthetic_msprobe(work / f"syn{n}_a", n, seed=1)
                 b = write_synthetic_msprobe(work / f"syn{n}_b", n, seed=2)
-                ours_s, verdict = ours(a, b)
-                theirs_s, status = msprobe(a / "step0", b / "step0", work / f"out{n}")
-                line(f"statistics, synthetic {n} calls", ours_s, theirs_s,
-                     f"(in-process ours {ours_in_process(a, b):.2f} s; ours: {verdict[:90]}; msprobe: {status})")
-                cli_lines(f"statistics, synthetic {n} calls", a, b, theirs_s, work)
+                mine, theirs = ours(a, b), msprobe(a / "step0", b / "step0", work / f"out{n}")
+                line(f"statistics, synthetic {n} calls", mine, theirs,
+                     f"(in-process ours {ours_in_process(a, b):.2f} s; ours: {mine.said[:90]}; msprobe: {theirs.said})")
+                cli_lines(f"statistics, synthetic {n} calls", a, b, theirs, work)
             n = max(sizes)
             a = write_synthetic_msprobe(work / f"seq{n}_a", n, seed=1)
             b = write_synthetic_msprobe(work / f"seq{n}_b", n, seed=2, extra_every=100)
-            ours_s, verdict = ours(a, b)
-            theirs_s, status = msprobe(a / "step0", b / "step0", work / "out_fm", fuzzy=True)
-            line(f"alignment, {n} calls, B +1% extra casts (-fm)", ours_s, theirs_s,
+            mine, theirs = ours(a, b), msprobe(a / "step0", b / "step0", work / "out_fm", fuzzy=True)
+            line(f"alignment, {n} calls, B +1% extra casts (-fm)", mine, theirs,
                  f"(in-process ours {ours_in_process(a, b):.2f} s, of which pairing {alignment_alone(a, b):.2f} s; "
-                 f"ours: {verdict[:90]}; msprobe: {status})")
-            theirs_s, status = msprobe(a / "step0", b / "step0", work / "out_plain")
-            line(f"alignment, {n} calls, B +1% extra casts (default)", ours_s, theirs_s, f"(msprobe: {status})")
+                 f"ours: {mine.said[:90]}; msprobe: {theirs.said})")
+            theirs = msprobe(a / "step0", b / "step0", work / "out_plain")
+            line(f"alignment, {n} calls, B +1% extra casts (default)", mine, theirs, f"(msprobe: {theirs.said})")
         elif not MSPROBE:
             print("msprobe not installed (.venv/bin/pip install mindstudio-probe): msprobe cases skipped")
         tensor_throughput(work, 0.25 if args.quick else args.tensor_gb)
         if not args.tensor_only:
-            replay_cost(work, 1 if args.quick else 2)
+            replay_cost(work, 1 if args.quick else 2, 1 if args.quick else 2)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -282,18 +300,17 @@ def real_msprobe_dumps(work: Path) -> None:
         a = write_msprobe_dump(work / f"real_{task}_a", task=task, width=256, depth=24)
         b = write_msprobe_dump(work / f"real_{task}_b", task=task, width=256, depth=24, scale=1 + 1e-3)
         (step_a,), (step_b,) = (list(p.glob("step0")) for p in (a, b))
-        ours_s, verdict = ours(a, b)
-        theirs_s, status = msprobe(step_a, step_b, work / f"out_real_{task}")
-        line(f"{task}, msprobe dumps of a 24-layer MLP", ours_s, theirs_s,
-             f"(in-process ours {ours_in_process(a, b):.2f} s; ours: {verdict[:90]}; msprobe: {status})")
-        cli_lines(f"{task}, 24-layer MLP", a, b, theirs_s, work)
+        mine, theirs = ours(a, b), msprobe(step_a, step_b, work / f"out_real_{task}")
+        line(f"{task}, msprobe dumps of a 24-layer MLP", mine, theirs,
+             f"(in-process ours {ours_in_process(a, b):.2f} s; ours: {mine.said[:90]}; msprobe: {theirs.said})")
+        cli_lines(f"{task}, 24-layer MLP", a, b, theirs, work)
 
 
-def cli_lines(case: str, a: Path, b: Path, theirs_s: float, work: Path) -> None:
-    """The command-line tool on a case, with and without its HTML report, against msprobe's time."""
+def cli_lines(case: str, a: Path, b: Path, theirs: Timed, work: Path) -> None:
+    """The command-line tool on a case, with and without its HTML report, against msprobe's run."""
     for label, html in (("CLI + HTML", work / "report.html"), ("CLI --no-html", None)):
-        cli_s, verdict = ours_cli(a, b, html)
-        line(f"{case}, {label}", cli_s, theirs_s, f"(ours: {verdict})")
+        mine = ours_cli(a, b, html)
+        line(f"{case}, {label}", mine, theirs, f"(ours: {mine.said})")
 
 
 if __name__ == "__main__":

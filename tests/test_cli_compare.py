@@ -9,7 +9,7 @@ import sys
 
 import pandas as pd
 import pytest
-from conftest import assert_one_line_error
+from conftest import assert_one_line_error, run_cli
 from test_report_html import browser, column_texts  # noqa: F401  (browser is a fixture)
 
 from pi0align.cli.main import main
@@ -189,3 +189,13 @@ def test_html_report_of_a_real_fault_shows_the_culprit_and_sorts(dumps, tmp_path
     assert column_texts(page, "name")[0] == FAULT.name
     context.close()
     assert blocked == []
+
+
+def test_the_top_level_help_is_for_users():
+    """`pi0align --help` says what the tool does and shows examples, in 80 columns, without the
+    developers' words."""
+    done = run_cli("--help")
+    assert done.returncode == 0
+    assert "entry point" not in done.stdout and "dispatch" not in done.stdout
+    assert "pi0align compare dumps/gpu dumps/npu" in done.stdout and "two runs part" in done.stdout
+    assert max(len(line) for line in done.stdout.splitlines()) <= 80

@@ -13,6 +13,18 @@ import sys
 from pi0align import __version__
 from pi0align.errors import UserError
 
+DESCRIPTION = """\
+Precision alignment of LeRobot PI0 training across devices (an NPU against a
+GPU): train with every random source fixed and dump tensors, then find at which
+step, in which call and on which side two runs part."""
+EXAMPLES = """\
+examples:
+  pi0align run --preset tiny --steps 20 --dump-steps 0,10
+  pi0align compare dumps/gpu dumps/npu
+  pi0align replay dumps/gpu 'model.layers.1.mlp/Functional.gelu#0' \\
+      --against dumps/npu
+
+'pi0align COMMAND --help' tells more; the README lists every flag."""
 # command -> (module, one-line help). Each module has add_arguments(parser) and main(args) -> int.
 COMMANDS = {
     "run": ("pi0align.cli.run", "train LeRobot PI0 with every random source fixed, optionally dumping tensors"),
@@ -24,7 +36,8 @@ COMMANDS = {
 
 
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, object | None]:
-    parser = argparse.ArgumentParser(prog="pi0align", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="pi0align", description=DESCRIPTION, epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"pi0align {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = next((a for a in argv if not a.startswith("-")), None)
@@ -52,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"pi0align {args.command}: interrupted", file=sys.stderr)
         return 130
+    except MemoryError:
+        print(f"pi0align {args.command}: error: out of memory (the memory this process may use is too small for "
+              "its work)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
