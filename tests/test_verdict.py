@@ -171,17 +171,25 @@ def test_the_command_line_says_which_noise_model_judged(workbench, tmp_path):
     """`pi0align compare A B --noise REF`: the console's verdict and model, the JSON's fields."""
     import json
 
+    import pandas as pd
     from conftest import run_cli
 
     case = next(c for c in CASES if c.name == "mlp bf16 stats: ulp noise")
     play(case, *workbench)
     made = workbench[1]
     a, b, reference = made[case.a], made[case.b], made[case.reference]
-    done = run_cli("compare", a, b, "--noise", reference, "--json", tmp_path / "s.json", "--no-html")
+    done = run_cli("compare", a, b, "--noise", reference, "--json", tmp_path / "s.json", "--csv", tmp_path / "r.csv",
+                   "--no-html")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ALIGNED WITHIN NOISE" in done.stdout and "judged by: reference" in done.stdout
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["noise_model"] == "reference" and summary["rows_over_dtype_limits"] > 0
+    # every row turned or left warn says which rule: counted in the JSON, named in the CSV
+    assert sum(summary["explained_by"].values()) == summary["row_verdicts"]["warn"] > 0
+    rows = pd.read_csv(tmp_path / "r.csv", keep_default_na=False)
+    assert (rows.loc[rows["verdict"] == "warn", "explained_by"] != "").all()
+    assert (rows.loc[rows["verdict"] != "warn", "explained_by"] == "").all()
+    assert "warn by rule:" in done.stdout
     without = run_cli("compare", a, b, "--json", tmp_path / "t.json", "--no-html")
     assert json.loads((tmp_path / "t.json").read_text())["noise_model"] == "intrinsic", without.stdout
     missing = run_cli("compare", a, b, "--noise", tmp_path / "nowhere", "--no-html")
