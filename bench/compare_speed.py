@@ -106,8 +106,8 @@ def ours_in_process(a: Path, b: Path) -> float:
 
 def alignment_alone(a: Path, b: Path) -> float:
     """Seconds to pair the records of two already-read dumps (the alignment step by itself)."""
-    from pi0align.compare.align import pair_records
-    from pi0align.compare.open_dump import open_run
+    from pi0align.compare.measuring.align import pair_records
+    from pi0align.compare.reading.open_dump import open_run
 
     (dump_a,), (dump_b,) = open_run(a).values(), open_run(b).values()
     start = time.perf_counter()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pi0align.compare.align import align_sequences
+from pi0align.compare.measuring.align import align_sequences
 
 
 def test_identical_sequences_pair_in_order():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import without_compiler
 
-from pi0align.compare.metrics import sample_metrics, stats_metrics, tensor_metrics
+from pi0align.compare.measuring.metrics import sample_metrics, stats_metrics, tensor_metrics
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -90,7 +90,7 @@ def test_compressed_hdf5_chunks_read_in_parallel_equal_in_memory(tmp_path, filte
     import h5py
     import hdf5plugin  # noqa: F401 - the Zstandard filter (id 32015), as pi0align writes tensors
 
-    from pi0align.compare.records import Bfloat16Array
+    from pi0align.compare.reading.records import Bfloat16Array
 
     rng = np.random.default_rng(1)
     b = rng.standard_normal((300, 70)).astype(np.float32)  # not a multiple of the chunk shape: edge chunks
@@ -99,7 +99,7 @@ def test_compressed_hdf5_chunks_read_in_parallel_equal_in_memory(tmp_path, filte
         for name, value in (("b", b), ("n", n), ("b16", b.view(np.uint32) >> 16), ("n16", n.view(np.uint32) >> 16)):
             f.create_dataset(name, data=value.astype(np.uint16) if "16" in name else value, chunks=(64, 32), **filters)
     with h5py.File(tmp_path / "t.h5", "r") as f:
-        from pi0align.compare.h5chunks import chunk_layout
+        from pi0align.compare.reading.h5chunks import chunk_layout
 
         assert chunk_layout(f["b"]) is not None  # read chunk by chunk, not through h5py
         expected = tensor_metrics(b, n, workers=1, loops=loops)
@@ -115,7 +115,7 @@ def test_compressed_hdf5_chunks_read_in_parallel_equal_in_memory(tmp_path, filte
 @pytest.fixture(params=["compiled", "numpy"])
 def loops(request):
     """kernels.py's two implementations; the compiled one skipped where it cannot be built."""
-    from pi0align.compare.kernels import CompiledLoops, NumpyLoops, comparison_loops
+    from pi0align.compare.measuring.kernels import CompiledLoops, NumpyLoops, comparison_loops
 
     if request.param == "numpy":
         return NumpyLoops()
@@ -125,7 +125,7 @@ def loops(request):
 
 
 def test_without_a_compiler_the_numpy_loops_run(tmp_path, monkeypatch):
-    from pi0align.compare.kernels import NumpyLoops, comparison_loops
+    from pi0align.compare.measuring.kernels import NumpyLoops, comparison_loops
 
     without_compiler(tmp_path, monkeypatch)
     comparison_loops.cache_clear()  # chosen once per process: choose again, here without a compiler
@@ -151,8 +151,8 @@ def _awkward_pair(rng, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32", "bfloat16"])
 def test_compiled_and_numpy_loops_agree(dtype):
-    from pi0align.compare.kernels import CompiledLoops, NumpyLoops, comparison_loops
-    from pi0align.compare.records import Bfloat16Array
+    from pi0align.compare.measuring.kernels import CompiledLoops, NumpyLoops, comparison_loops
+    from pi0align.compare.reading.records import Bfloat16Array
 
     if not isinstance(comparison_loops(), CompiledLoops):
         pytest.skip(f"no compiled loops here ({comparison_loops().status})")

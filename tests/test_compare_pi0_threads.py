@@ -52,7 +52,7 @@ def test_thread_noise_passes_calibrated_thresholds(thread_runs):
 def test_run_records_the_batch_and_the_optimizer_update_of_every_parameter(thread_runs):
     """`pi0align run --dump-steps` alone records PI0's processed batch as data and AdamW's update of
     each trained parameter: the same names on both runs, none of them blamed for thread noise."""
-    from pi0align.compare.open_dump import open_run
+    from pi0align.compare.reading.open_dump import open_run
 
     records = open_run(thread_runs[1], None)[0].records
     names = set(records["name"][records["direction"] == "data"].tolist())

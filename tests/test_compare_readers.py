@@ -9,7 +9,7 @@ import h5py
 import pytest
 
 from pi0align.compare import compare_dumps
-from pi0align.compare.open_dump import open_run
+from pi0align.compare.reading.open_dump import open_run
 from pi0align.errors import UserError
 from pi0align.testing.dumpfactory import run_toy_model, write_dump, write_msprobe_dump
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from pi0align import Dumper
-from pi0align.compare.read_ours import read_pi0align
+from pi0align.compare.reading.read_ours import read_pi0align
 from pi0align.testing.dump_helpers import read_step
 from pi0align.testing.dumpfactory import Call, Step, write_dump
 

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from pi0align.compare.bounds import MARGIN, introduced, noise_floor, reduction_condition
-from pi0align.compare.identity import gradient_sources, tensor_identities
-from pi0align.compare.judge import judge
-from pi0align.compare.noise import rounding_level
-from pi0align.compare.reference import raised_limits
-from pi0align.compare.rootcause import CALL_COLUMNS
+from pi0align.compare.judging.bounds import MARGIN, introduced, noise_floor, reduction_condition
+from pi0align.compare.judging.identity import gradient_sources, tensor_identities
+from pi0align.compare.judging.judge import judge
+from pi0align.compare.judging.noise import rounding_level
+from pi0align.compare.judging.reference import raised_limits
+from pi0align.compare.judging.rootcause import CALL_COLUMNS
+from pi0align.compare.judging.thresholds import DEFAULT_THRESHOLDS, UNIT_ROUNDOFF
+from pi0align.compare.judging.verdict import metric_errors, metric_limits
 from pi0align.compare.table import Table
-from pi0align.compare.thresholds import DEFAULT_THRESHOLDS, UNIT_ROUNDOFF
-from pi0align.compare.verdict import metric_errors, metric_limits
 from pi0align.testing.scenarios import Case, ToyRun, play, rule_cases
 
 BF16, FP32 = UNIT_ROUNDOFF["bfloat16"], UNIT_ROUNDOFF["float32"]

@@ -30,10 +30,10 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from pi0align.compare.judge import wrong_sides
-    from pi0align.compare.open_dump import open_run
-    from pi0align.compare.replayed import RESULT_ROLES, RecordedCalls
-    from pi0align.compare.thresholds import UNIT_ROUNDOFF, dtype_class
+    from pi0align.compare.judging.judge import wrong_sides
+    from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, dtype_class
+    from pi0align.compare.measuring.replayed import RESULT_ROLES, RecordedCalls
+    from pi0align.compare.reading.open_dump import open_run
     from pi0align.errors import UserError
     from pi0align.replay import replay
     from pi0align.report.formatting import format_number

@@ -3,10 +3,10 @@
 No torch at import time: this package runs on a laptop that only has the dumps.
 """
 
-from pi0align.compare.calibrate import calibrate
 from pi0align.compare.engine import compare_dumps
+from pi0align.compare.judging.calibrate import calibrate
+from pi0align.compare.judging.thresholds import DEFAULT_THRESHOLDS, load_thresholds, parse_overrides
 from pi0align.compare.result import ROW_COLUMNS, CallRef, Comparison, Culprit
-from pi0align.compare.thresholds import DEFAULT_THRESHOLDS, load_thresholds, parse_overrides
 
 __all__ = ["compare_dumps", "calibrate", "load_thresholds", "parse_overrides", "DEFAULT_THRESHOLDS",
            "Comparison", "CallRef", "Culprit", "ROW_COLUMNS"]

@@ -9,35 +9,35 @@ from pathlib import Path
 
 import numpy as np
 
-from pi0align.compare.align import pair_records
-from pi0align.compare.arguments import adam_step, arguments_differ, hyper_parameter_differences
-from pi0align.compare.explain import explain, rows_of, unexplained_source
-from pi0align.compare.groups import culprit_groups
-from pi0align.compare.identity import tensor_identities
-from pi0align.compare.judge import bit_comparable, judge, noise_model
-from pi0align.compare.manifest import (
+from pi0align.compare.judging.explain import explain, rows_of, unexplained_source
+from pi0align.compare.judging.groups import culprit_groups
+from pi0align.compare.judging.identity import tensor_identities
+from pi0align.compare.judging.judge import bit_comparable, judge, noise_model
+from pi0align.compare.judging.manifest import (
     manifest_diff,
     manifest_notes,
     numerics_notes,
     weights_comparable,
 )
-from pi0align.compare.memory import HeapTrimmer
-from pi0align.compare.metrics import (
+from pi0align.compare.judging.noise import rounding_level
+from pi0align.compare.judging.reference import check_reference, reference_notes
+from pi0align.compare.judging.rootcause import call_table, culprits, first_divergence
+from pi0align.compare.judging.thresholds import load_thresholds
+from pi0align.compare.judging.verdict import JUDGED_PAIRINGS, judge_rows
+from pi0align.compare.measuring.align import pair_records
+from pi0align.compare.measuring.arguments import adam_step, arguments_differ, hyper_parameter_differences
+from pi0align.compare.measuring.memory import HeapTrimmer
+from pi0align.compare.measuring.metrics import (
     STATS_METRICS,
     TENSOR_METRICS,
     sample_metrics,
     stats_metrics,
     tensor_metrics,
 )
-from pi0align.compare.noise import rounding_level
-from pi0align.compare.open_dump import open_run
-from pi0align.compare.records import OUTPUT_ROLES, Dump, user_frames
-from pi0align.compare.reference import check_reference, reference_notes
+from pi0align.compare.reading.open_dump import open_run
+from pi0align.compare.reading.records import OUTPUT_ROLES, Dump, user_frames
 from pi0align.compare.result import ROW_COLUMNS, Comparison
-from pi0align.compare.rootcause import call_table, culprits, first_divergence
 from pi0align.compare.table import Table, gather, isin, lookup
-from pi0align.compare.thresholds import load_thresholds
-from pi0align.compare.verdict import JUDGED_PAIRINGS, judge_rows
 from pi0align.errors import UserError
 
 Progress = Callable[[int, int], None]
@@ -169,7 +169,7 @@ def _compare_rank(a: Dump, b: Dump, tracker: _Tracker, replay: bool) -> tuple[Ta
         tracker.advance()
 
     if replay:  # one pass over the calls: each tensor read once, for its metrics and the replay
-        from pi0align.compare.replayed import measure_and_replay
+        from pi0align.compare.measuring.replayed import measure_and_replay
 
         for column, values in measure_and_replay(rows, a, b, ia, ib, comparable, advance).items():
             rows[column] = values

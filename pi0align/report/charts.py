@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from pi0align.compare.records import OUTPUT_ROLES, PARAMETER_ROLES
+from pi0align.compare.reading.records import OUTPUT_ROLES, PARAMETER_ROLES
 from pi0align.compare.result import Comparison
 from pi0align.compare.table import Table, isin
 from pi0align.report.summary import json_safe

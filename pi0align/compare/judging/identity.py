@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pi0align.compare.records import OUTPUT_ROLES
+from pi0align.compare.reading.records import OUTPUT_ROLES
 from pi0align.compare.table import Table, isin, key_codes, lookup
 
 RESULT_ROLES = (*OUTPUT_ROLES, "parameter")  # what a call, a parameter or the batch hands on

@@ -45,10 +45,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pi0align.compare.bounds import MARGIN, noise_floor
-from pi0align.compare.modules import innermost, is_module
+from pi0align.compare.judging.bounds import MARGIN, noise_floor
+from pi0align.compare.judging.modules import innermost, is_module
+from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.table import Groups, Table, isin
-from pi0align.compare.thresholds import UNIT_ROUNDOFF
 
 NOISE_MODELS = ("replay", "exact", "reference", "intrinsic")
 STANDOUT = 4.0  # introduced error ≥ 4 × the median of its API's calls
@@ -229,7 +229,7 @@ def stands_out(calls: Table) -> np.ndarray:
 def after_first(calls: Table, selected: np.ndarray) -> np.ndarray:
     """Calls that ran after their rank's first selected call, in execution order (by step, the
     step's phase, then sequence)."""
-    from pi0align.compare.rootcause import phases
+    from pi0align.compare.judging.rootcause import phases
 
     after = np.zeros(len(calls), bool)
     phase = phases(calls["direction"])

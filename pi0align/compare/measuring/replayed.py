@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pi0align.compare.memory import HeapTrimmer
-from pi0align.compare.metrics import TENSOR_METRICS, tensor_metrics
-from pi0align.compare.records import Dump
+from pi0align.compare.measuring.memory import HeapTrimmer
+from pi0align.compare.measuring.metrics import TENSOR_METRICS, tensor_metrics
+from pi0align.compare.reading.records import Dump
 from pi0align.compare.table import Table, gather
 
 RESULT_ROLES = {"forward": "output", "backward": "grad_input", "optimizer": "output"}

@@ -19,9 +19,9 @@ import json
 
 import numpy as np
 
-from pi0align.compare.arguments import adam_step_for
+from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
+from pi0align.compare.measuring.arguments import adam_step_for
 from pi0align.compare.table import Table, lookup
-from pi0align.compare.thresholds import UNIT_ROUNDOFF
 
 # An output error up to twice what the inputs and rounding explain is the spread of the measure
 # itself (statistics see a tensor's extremes and sums, not its elements); a 3 % fault on an

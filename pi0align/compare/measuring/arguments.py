@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 
-from pi0align.compare.records import Dump
+from pi0align.compare.reading.records import Dump
 from pi0align.compare.table import Table
 from pi0align.dump.file_format import DEVICE_NAME, DEVICE_REPR
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pi0align.compare.records import Bfloat16Array
+from pi0align.compare.reading.records import Bfloat16Array
 from pi0align.native import Library
 
 FIELDS = ("ab", "aa", "bb", "dd", "rel", "w1", "w5", "n", "mismatch", "max_abs", "max_rel")

@@ -9,7 +9,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from pi0align.compare.records import (
+from pi0align.compare.reading.records import (
     METRIC_COLUMNS,
     RECORD_COLUMNS,
     Bfloat16Array,

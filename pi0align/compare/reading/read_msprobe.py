@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from pi0align.compare.records import Dump, call_site, no_metrics, no_records
+from pi0align.compare.reading.records import Dump, call_site, no_metrics, no_records
 from pi0align.compare.table import Table
 from pi0align.errors import UserError
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pi0align.compare.read_msprobe import is_msprobe_path, read_msprobe
-from pi0align.compare.read_ours import is_pi0align_file, read_pi0align
-from pi0align.compare.records import Dump
+from pi0align.compare.reading.read_msprobe import is_msprobe_path, read_msprobe
+from pi0align.compare.reading.read_ours import is_pi0align_file, read_pi0align
+from pi0align.compare.reading.records import Dump
 from pi0align.errors import UserError
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pi0align.compare.noise import rounding_floor
-from pi0align.compare.records import Dump
+from pi0align.compare.judging.noise import rounding_floor
+from pi0align.compare.reading.records import Dump
 from pi0align.compare.table import Groups, Table, gather, lookup
 from pi0align.errors import UserError
 

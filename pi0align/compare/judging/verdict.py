@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pi0align.compare.metrics import relative
-from pi0align.compare.reference import raised_limits
+from pi0align.compare.judging.reference import raised_limits
+from pi0align.compare.judging.thresholds import JUDGED_ERRORS, looser_classes
+from pi0align.compare.measuring.metrics import relative
 from pi0align.compare.table import Table, isin
-from pi0align.compare.thresholds import JUDGED_ERRORS, looser_classes
 
 JUDGED_PAIRINGS = ("matched", "realigned", "dtype_mismatch")  # shape mismatches cannot be compared
 

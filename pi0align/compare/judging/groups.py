@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from pi0align.compare.judge import Judgement
-from pi0align.compare.records import subjects
+from pi0align.compare.judging.judge import Judgement
+from pi0align.compare.judging.rootcause import culprit_order
+from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
+from pi0align.compare.reading.records import subjects
 from pi0align.compare.result import CulpritGroup
-from pi0align.compare.rootcause import culprit_order
 from pi0align.compare.table import Table
-from pi0align.compare.thresholds import UNIT_ROUNDOFF
 
 # APIs whose kernels multiply matrices: TF32 / HF32 switches change all of them at once
 MATMUL_FAMILY = frozenset({"linear", "matmul", "__matmul__", "__rmatmul__", "bmm", "mm", "addmm", "addbmm", "baddbmm",

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from pi0align.compare.engine import compare_dumps
+from pi0align.compare.judging.thresholds import JUDGED_ERRORS, UNIT_ROUNDOFF, load_thresholds, looser_classes
+from pi0align.compare.judging.verdict import JUDGED_PAIRINGS
 from pi0align.compare.table import isin
-from pi0align.compare.thresholds import JUDGED_ERRORS, UNIT_ROUNDOFF, load_thresholds, looser_classes
-from pi0align.compare.verdict import JUDGED_PAIRINGS
 from pi0align.errors import UserError
 
 

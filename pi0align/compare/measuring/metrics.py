@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from pi0align.compare.kernels import FIELDS, SUMMED, CompiledLoops, NumpyLoops, comparison_loops
-from pi0align.compare.records import Bfloat16Array, iter_flat_chunks
+from pi0align.compare.measuring.kernels import FIELDS, SUMMED, CompiledLoops, NumpyLoops, comparison_loops
+from pi0align.compare.reading.records import Bfloat16Array, iter_flat_chunks
 
 TENSOR_METRICS = ["cosine", "max_abs_err", "max_rel_err", "mean_rel_err", "rel_l2_err", "rmse",
                   "within_1e-3", "within_5e-3", "nan_inf_mismatch"]
@@ -94,7 +94,7 @@ def tensor_metrics(a: Any, b: Any, chunk_elements: int = CHUNK_ELEMENTS, workers
 
 def _reduce_stored_chunks(a: Any, b: Any, workers: int, loops: Loops) -> list[ErrorAccumulator] | None:
     # imported here: h5chunks loads hdf5plugin, needed only once tensors are read
-    from pi0align.compare.h5chunks import ChunkBuffers, chunk_pairs
+    from pi0align.compare.reading.h5chunks import ChunkBuffers, chunk_pairs
 
     bfloat16 = isinstance(a, Bfloat16Array)
     if bfloat16 != isinstance(b, Bfloat16Array):

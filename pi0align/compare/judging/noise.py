@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, looser_classes
 from pi0align.compare.table import Groups, Table, isin
-from pi0align.compare.thresholds import UNIT_ROUNDOFF, looser_classes
 
 _GRADIENT_ROLES = ("grad_input", "grad_output")
 ROUNDING_UNITS = {"float64": 64.0, "float32": 64.0, "float16": 1.0, "bfloat16": 1.0, "integer": 0.0}

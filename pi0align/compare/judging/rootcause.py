@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pi0align.compare.bounds import (
+from pi0align.compare.judging.bounds import (
     conditions,
     dimensions,
     introduced,
@@ -31,13 +31,13 @@ from pi0align.compare.bounds import (
     reduction_condition,
     step_bounds,
 )
-from pi0align.compare.identity import RESULT_ROLES, gradient_sources, produced
-from pi0align.compare.judge import Judgement
-from pi0align.compare.modules import enclosing_modules, holds_calls
-from pi0align.compare.records import INPUT_ROLES, OUTPUT_ROLES, subjects
+from pi0align.compare.judging.identity import RESULT_ROLES, gradient_sources, produced
+from pi0align.compare.judging.judge import Judgement
+from pi0align.compare.judging.modules import enclosing_modules, holds_calls
+from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, dtype_class, looser_classes
+from pi0align.compare.reading.records import INPUT_ROLES, OUTPUT_ROLES, subjects
 from pi0align.compare.result import CallRef, Culprit
 from pi0align.compare.table import Groups, Table, gather, isin, lookup
-from pi0align.compare.thresholds import UNIT_ROUNDOFF, dtype_class, looser_classes
 
 STATS_ERRORS = ["norm_rel_err", "mean_val_rel_err", "min_rel_err", "max_val_rel_err"]
 MAX_CULPRITS = 100

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pi0align.compare.bounds import MARGIN, noise_floor
-from pi0align.compare.identity import RESULT_ROLES, gradient_sources, produced
-from pi0align.compare.judge import Judgement
-from pi0align.compare.modules import containing, enclosing_modules
+from pi0align.compare.judging.bounds import MARGIN, noise_floor
+from pi0align.compare.judging.identity import RESULT_ROLES, gradient_sources, produced
+from pi0align.compare.judging.judge import Judgement
+from pi0align.compare.judging.modules import containing, enclosing_modules
+from pi0align.compare.judging.rootcause import call_directions, phases, row_error
+from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, looser_classes
 from pi0align.compare.result import CallRef
-from pi0align.compare.rootcause import call_directions, phases, row_error
 from pi0align.compare.table import Table, gather, isin, lookup
-from pi0align.compare.thresholds import UNIT_ROUNDOFF, looser_classes
 
 # explained_by: the rule that turned a row `warn` ("" for the others)
 EXPLAINED_BY = {
@@ -212,7 +212,7 @@ _SOURCES = {
 def unexplained_source(rows: Table, calls: Table, stack_of) -> tuple[CallRef | None, str]:
     """The call of the first failing row in execution order, where no call is a culprit, and a
     note saying what that row is: the unrecorded operation or input that parted first."""
-    from pi0align.compare.rootcause import call_ref
+    from pi0align.compare.judging.rootcause import call_ref
 
     failing = np.flatnonzero(rows["verdict"] == "fail")
     order = np.lexsort((rows["seq_a"][failing].astype(np.float64), phases(call_directions(rows))[failing],
