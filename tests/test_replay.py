@@ -113,12 +113,13 @@ def test_the_compare_goes_on_where_replay_cannot(toy_dumps):
 
 @pytest.fixture(scope="module")
 def update_dumps(tmp_path_factory):
-    """fp32 runs of AdamW: as it is, and on a kernel that computes with eps 1e-4 while its settings,
-    and the records, say 1e-8; and one whose step 1 batch has a sample changed."""
+    """fp32 runs of AdamW: as it is, on a kernel that computes with eps 1e-4 while its settings, and
+    the records, say 1e-8, on one whose learning rate is 1.1 × theirs; and one whose step 1 batch has
+    a sample changed."""
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("updates")
     runs = {"a": ToyRun(), "again": ToyRun(), "kernel": ToyRun(device=Emulation(adam_eps=1e-4)),
-            "batch": ToyRun(changed_sample_at=1)}
+            "lr": ToyRun(device=Emulation(adam_lr_scale=1.1)), "batch": ToyRun(changed_sample_at=1)}
     return {name: dump_toy(root / name, run) for name, run in runs.items()}
 
 
@@ -128,14 +129,15 @@ UPDATE = "blocks.0.0.weight/Optimizer.step#0"
 def test_an_update_replayed_names_the_side_whose_optimizer_is_wrong(update_dumps):
     """AdamW recomputed in float64 from each side's recorded parameter, gradient, states and
     hyper-parameters: an unchanged pair within float64 rounding of their records on both sides; a
-    kernel with another eps is B, far off."""
+    kernel with another eps or learning rate is B, far off."""
     same = run_cli("replay", update_dumps["a"], UPDATE, "--against", update_dumps["again"], "--step", "1")
     assert same.returncode == 0 and "both within noise of each other" in same.stdout, same.stdout + same.stderr
     assert all(error < 1e-6 for error in _errors(same.stdout))
-    wrong = run_cli("replay", update_dumps["a"], UPDATE, "--against", update_dumps["kernel"])
-    assert wrong.returncode == 1 and "B is wrong" in wrong.stdout, wrong.stdout + wrong.stderr
-    error_a, error_b = _errors(wrong.stdout)[:2]
-    assert error_a < 1e-6 and error_b > 1e-4
+    for kernel in ("kernel", "lr"):  # another eps, another learning rate, than the settings say
+        wrong = run_cli("replay", update_dumps["a"], UPDATE, "--against", update_dumps[kernel])
+        assert wrong.returncode == 1 and "B is wrong" in wrong.stdout, wrong.stdout + wrong.stderr
+        error_a, error_b = _errors(wrong.stdout)[:2]
+        assert error_a < 1e-6 and error_b > 1e-4, kernel
     misused = run_cli("replay", update_dumps["a"], UPDATE, "--direction", "backward")
     assert_one_line_error(misused, "--direction is for API calls", "an optimizer update")
 

@@ -118,15 +118,19 @@ def test_make_dataset_output_loads_with_lerobot_offline(tmp_path):
     assert dataset.meta.features["action"]["names"][0] == "shoulder_pan"
 
 
+# each a process that imports torch and LeRobot (about 10 s): the missing files in CI only
+_SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(
     ("args", "fragments"),
     [
         (("--device", "npu"), ("torch_npu",)),
         (("--device", "tpu"), ("unknown device", "tpu")),
-        (("--dataset", "/nonexistent/koch"), ("does not exist", "--dataset")),
-        (("--tokenizer", "/nonexistent/paligemma"), ("/nonexistent/paligemma", "--tokenizer")),
-        (("--pretrained", "/nonexistent/pi0"), ("model.safetensors", "--pretrained")),
-        (("--preset", "full"), ("--tokenizer",)),
+        pytest.param(("--dataset", "/nonexistent/koch"), ("does not exist", "--dataset"), marks=_SLOW),
+        pytest.param(("--tokenizer", "/nonexistent/paligemma"), ("/nonexistent/paligemma", "--tokenizer"), marks=_SLOW),
+        pytest.param(("--pretrained", "/nonexistent/pi0"), ("model.safetensors", "--pretrained"), marks=_SLOW),
+        pytest.param(("--preset", "full"), ("--tokenizer",), marks=_SLOW),
     ],
 )
 def test_bad_input_ends_with_one_line(args, fragments, tmp_path):
@@ -174,6 +178,7 @@ def test_dump_steps_take_the_steps_grammar_of_every_command():
         assert_one_line_error(run_cli("run", *TINY, "--dump-steps", bad), "--dump-steps", repr(bad))
 
 
+@_SLOW
 def test_corrupt_dataset_ends_with_one_line(tmp_path):
     root = tmp_path / "corrupt"
     (root / "meta").mkdir(parents=True)
@@ -181,6 +186,7 @@ def test_corrupt_dataset_ends_with_one_line(tmp_path):
     assert_one_line_error(run_cli("run", *TINY, "--steps", "1", "--dataset", root), "corrupt", "info.json")
 
 
+@_SLOW
 def test_dataset_without_data_files_ends_with_one_line(tmp_path):
     root = tmp_path / "empty"
     run_cli("make-dataset", root, "--episodes", "1", "--frames", "8")

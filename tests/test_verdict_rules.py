@@ -44,7 +44,7 @@ def _play(name: str, workbench):
 
 # -- end to end: one case per rule (pi0align.testing.scenarios.rule_cases) ---------------------
 
-@pytest.mark.parametrize("mode", ["stats", "tensor"])
+@pytest.mark.parametrize("mode", ["stats", pytest.param("tensor", marks=pytest.mark.slow)])
 def test_an_update_not_recorded_is_the_culprit_where_the_parameters_part(mode, workbench):
     """msprobe's habit, `start(model)` without `optimizer=`: B's AdamW has eps 1e-4 (A 1e-8); step
     0 agrees bit for bit, the parameters part at step 1. Before: aligned, 0 culprits."""
@@ -60,7 +60,7 @@ def test_a_gap_in_the_dumped_steps_names_the_steps_between(workbench):
     assert "between step 0 and 2" in hint and "steps that were not dumped" in hint
 
 
-@pytest.mark.parametrize("times", [20, 5])
+@pytest.mark.parametrize("times", [pytest.param(20, marks=pytest.mark.slow), 5])
 def test_a_call_that_amplifies_what_it_was_handed_is_judged_whatever_its_inputs(times, workbench):
     """B's attention is SDPA (another call sequence, fp32 rounding apart), and the next Linear is
     0.2 % (20× the fp32 limit) or 0.05 % (5×) off, statistics only, bit-comparable manifests.

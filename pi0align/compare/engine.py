@@ -21,7 +21,7 @@ from pi0align.compare.judging.manifest import (
 )
 from pi0align.compare.judging.noise import rounding_level
 from pi0align.compare.judging.reference import check_reference, reference_notes
-from pi0align.compare.judging.rootcause import call_table, culprits, first_divergence
+from pi0align.compare.judging.rootcause import call_table, culprits, first_divergence, producers
 from pi0align.compare.judging.thresholds import load_thresholds
 from pi0align.compare.judging.verdict import JUDGED_PAIRINGS, judge_rows
 from pi0align.compare.measuring.align import pair_records
@@ -316,10 +316,11 @@ def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, r
     rounding, rounding_notes = rounding_level(rows, judged_rows.verdict)
     rows["identical"] = judged_rows.identical
     identity = tensor_identities(rows)
-    calls = call_table(rows, judged_rows.verdict, rounding, identity)
+    producer = producers(rows, judged_rows.verdict, identity)
+    calls = call_table(rows, judged_rows.verdict, rounding, identity, producer)
     fallback = "reference" if reference is not None else "intrinsic"
     judgement = judge(calls, fallback, exact=bit_comparable(rows, judged_rows.identical, diff, first_a.manifest))
-    explanation = explain(rows, judged_rows.verdict, rounding, identity, calls, judgement)
+    explanation = explain(rows, judged_rows.verdict, rounding, identity, producer, calls, judgement)
 
     rows["severity"], rows["over_dtype_limits"] = judged_rows.severity, judged_rows.over_dtype_limits
     rows["verdict"], rows["explained_by"] = explanation.verdict, explanation.explained_by

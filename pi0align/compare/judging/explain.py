@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pi0align.compare.judging.bounds import MARGIN, noise_floor
-from pi0align.compare.judging.identity import RESULT_ROLES, gradient_sources, produced
+from pi0align.compare.judging.identity import RESULT_ROLES, gradient_sources
 from pi0align.compare.judging.judge import Judgement
 from pi0align.compare.judging.modules import containing, enclosing_modules
 from pi0align.compare.judging.rootcause import call_directions, phases, row_error
@@ -54,9 +54,10 @@ class Explanation:
         return {rule: labels.count(rule) for rule in EXPLAINED_BY if rule in labels}
 
 
-def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np.ndarray, calls: Table,
-            judgement: Judgement) -> Explanation:
-    """The rows' final verdicts: failing rows the noise model explains become `warn`, each labelled."""
+def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np.ndarray, producer: np.ndarray,
+            calls: Table, judgement: Judgement) -> Explanation:
+    """The rows' final verdicts: failing rows the noise model explains become `warn`, each labelled.
+    `identity`, `producer`: which records hold the same tensor, and which record produced it."""
     labels = np.where(verdict == "warn", "limits", "").astype(object)
     open_ = (verdict == "fail") & _before_first(rows, calls, judgement)
     open_ &= ~rows_of(rows, calls, containing(calls, judgement.culprit))
@@ -76,7 +77,6 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
     def fine() -> np.ndarray:  # rows that do not fail, or are explained by now
         return (verdict != "fail") | (labels != "")
 
-    producer = produced(rows, identity, result & isin(verdict, ("pass", "warn", "fail")))
     settle((producer >= 0) & gather(fine(), producer, False), "producer")
     settle(_gradient_sums_within(rows, identity, error, verdict, fine()), "gradient_sum")
     settle(_clipped_within(rows, error, fine()), "clipping")

@@ -1,42 +1,35 @@
-"""Which calls introduce error beyond the hardware's noise: the noise models.
+"""Which calls introduce error beyond the hardware's noise: the noise models (docs/compare.md,
+"Noise models" and "Bounds").
 
-Two devices never agree bit for bit, so a call is a culprit only when its error stands out from
-noise, judged by the best evidence there is for it (docs/compare.md, section "Noise models"):
-
-* `replay`: both sides' results replayed in float64 from their own inputs (replayed.py). Side X
-  is wrong when its local error e_X exceeds RATIO × e_other + FLOOR_UNITS × u_X (u_X: unit
-  roundoff of X's result dtype) -- torch dynamo's `same()` (RMSE against fp64 within 2×, 3× in
-  half precision, of the eager result's) and msprobe's benchmark standard (RMSE ratio ≤ 2), with a
-  floor of a few unit roundoffs so that two kernels both within rounding are never told apart.
+* `replay`: both sides' results replayed in float64 from their own inputs (measuring/replayed.py).
+  Side X is wrong when its local error e_X exceeds RATIO × e_other + F × u_X (u_X: unit roundoff
+  of X's result dtype) -- torch dynamo's `same()` (RMSE against fp64 within 2×, 3× in half
+  precision, of the eager result's) and msprobe's benchmark standard (RMSE ratio ≤ 2), with the
+  noise floor of bounds.py so that two kernels both within rounding are never told apart.
 * `reference`: a noise reference (A re-run with every result moved by an ulp) raises each
-  record's limits to how far this model carries rounding to it (reference.py);
-  a call is then a culprit when its outputs fail and its inputs pass (or it amplifies tenfold).
+  record's limits to how far this model carries rounding to it (reference.py); a call is then a
+  culprit when it is beyond its bound (bounds.py) under those limits and stands out.
 * `intrinsic`: the same rule under the fixed dtype limits.
+* `exact`: where the runs are bit-comparable (`bit_comparable`), a call handed identical inputs
+  whose output bits differ is a culprit too, however small the difference.
 
-Under `reference` and `intrinsic` a call's introduced error must also stand out from what calls of
-the same API introduce elsewhere in the run (STANDOUT × their median), unless its API is off as a
-family (`family_off`: every matmul on TF32 inputs), however alike its calls are.
+A kernel is beyond its bound when more error leaves it than its inputs, through its API's
+condition, and its own rounding explain, whatever its inputs hold; it must also stand out from
+what calls of the same API introduce elsewhere (STANDOUT × their median), unless its API is off
+as a family (`family_off`). Downstream of the first culprit, a call judged by statistics is blamed
+by its bits alone (statistics hide what a LayerNorm's output holds, and the next call seems to
+amplify it). A module holding calls is judged by what entered it from no dumped call.
 
 The optimizer's update (kind `optimizer`) is judged as a whole: Adam's update is scale-free, so an
-element whose gradient is rounding noise moves by the learning rate either way, and one update can
-fail by far more than its inputs do (a sign flipped in a zero-initialised bias moves its mean). An
-update is a culprit when it introduces error by more than OPTIMIZER_GAIN (Adam squares the
-gradient) and either its inputs hold the same bits on both sides or the step's typical update
-does so too (`updates_off`: another epsilon, another formula changes every update). The data and
-the parameters have no noise to stand out from: the parameters introduce error whenever they fail
-while the update that made them passes (or nothing made them: the first dumped step); the data
-whenever they fail (they are read, not computed: their bits decide, explain.data_differ).
-
-Where the two runs are bit-comparable (explain.bit_comparable: same device, threads and numerics,
-and the first call's inputs and outputs hold the same bits), checksums are proof and there is no
-noise: a kernel not replayed is a culprit exactly when it was handed identical inputs and its
-output bits differ, however small the difference (two elements swapped: the statistics cannot see
-it), evidence `exact`; a kernel handed differing inputs passes on what it was handed (statistics
-cannot tell a propagated difference from an amplified one). Whatever the evidence, a
-call whose outputs fail and whose recorded non-tensor arguments differ
-from the other side's (arguments.py) is a culprit, evidence `arguments`: it was asked something
-else. A module call (`Module.*`) that has API calls recorded inside it is judged by them: it is
-explained when none of them is a culprit, and never blamed itself (its error is its calls').
+element whose gradient is rounding noise moves by the learning rate either way. An update is a
+culprit when it moved its parameter further than one step of its optimizer can (bounds.step_bounds),
+or when it introduces more than OPTIMIZER_GAIN (Adam squares the gradient) and either its inputs
+hold the same bits on both sides or the step's typical update does so too (`updates_off`: another
+epsilon, another formula changes every update). The data are culprits whenever they fail (they are
+read, not computed); parameters and parameters' gradients when they are beyond their bounds.
+Whatever the evidence, a call whose outputs fail and whose recorded non-tensor arguments differ
+from the other side's (measuring/arguments.py) is a culprit, evidence `arguments`: it was asked
+something else.
 """
 
 from __future__ import annotations

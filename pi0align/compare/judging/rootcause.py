@@ -75,10 +75,18 @@ def judged_records(verdict: np.ndarray, rows: Table) -> np.ndarray:
     return isin(verdict, ["pass", "warn", "fail"]) & isin(call_directions(rows), PHASES)
 
 
-def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np.ndarray) -> Table:
+def producers(rows: Table, verdict: np.ndarray, identity: np.ndarray) -> np.ndarray:
+    """Per record, the judged record that produced its tensor (a call's result, a parameter, the
+    batch: identity.produced), -1 where none did."""
+    return produced(rows, identity, isin(rows["role"], RESULT_ROLES) & judged_records(verdict, rows))
+
+
+def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np.ndarray,
+               producer: np.ndarray) -> Table:
     """One row per judged call (CALL_COLUMNS), in order of step, seq_a and rank. `verdict`: each
     record's verdict against its limits; `rounding`: records whose difference is rounding-level
-    noise (noise.py), which fail no call; `identity`: each record's tensor (identity.py)."""
+    noise (noise.py), which fail no call; `identity`: each record's tensor (identity.py);
+    `producer`: the record that produced each record's tensor (`producers`)."""
     failing_rows = (verdict == "fail") & ~rounding
     error_rows, metric_rows = row_error(rows)
     error_rows[rounding] = np.nan  # noise that no call made: it neither enters nor leaves a call
@@ -88,7 +96,7 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     direction = call_directions(judged)
     is_in = isin(judged["role"], INPUT_ROLES)
     is_out = isin(judged["role"], (*OUTPUT_ROLES, "parameter", "parameter_grad"))
-    floor = np.array([UNIT_ROUNDOFF[c] for c in looser_classes(judged["dtype_a"], judged["dtype_b"]).tolist()])
+    roundoff = np.array([UNIT_ROUNDOFF[c] for c in looser_classes(judged["dtype_a"], judged["dtype_b"]).tolist()])
     seq_a = judged["seq_a"].astype(np.int64)
     groups = Groups(judged["rank"], judged["step"], direction, seq_a)  # one group per call
     first = groups.first
@@ -100,7 +108,7 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
         "input_error": groups.max(np.where(is_in, np.where(np.isnan(error), 0.0, error), 0.0)),
         "output_error": groups.max(np.where(is_out, np.where(np.isnan(error), 0.0, error), -np.inf)),
         "inputs_fail": groups.any(is_in & fail), "outputs_fail": groups.any(is_out & fail),
-        "unit": groups.max(np.where(is_out, floor, 0.0)),
+        "unit": groups.max(np.where(is_out, roundoff, 0.0)),
         "metric": groups.max_text(np.where(is_out, metric, "").astype(object)),
         # replay (replayed.py): each side's largest local error over the call's results, the unit
         # roundoff of its result dtypes, and why it was not replayed
@@ -126,7 +134,6 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     _add_gradient_sources(calls, rows, identity, error_rows, failing_rows)
     call_of_row = np.full(len(rows), -1, np.int64)
     call_of_row[use] = groups.codes
-    producer = produced(rows, identity, isin(rows["role"], RESULT_ROLES) & (call_of_row >= 0))
     parent = enclosing_modules(calls)
     _add_inside_errors(calls, rows, call_of_row, producer, parent, identity, error_rows, failing_rows)
     calls = Table.concat([calls, _batch_stand_ins(calls, rows, call_of_row, producer, parent, error_rows,
