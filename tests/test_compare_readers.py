@@ -102,6 +102,27 @@ def test_msprobe_names_and_roles_are_mapped(tmp_path):
     assert (r.loc[r["api"] == "Module.Linear", "module"] == "layer").all()
 
 
+def test_msprobe_calls_after_the_backward_are_the_update_and_requires_grad_is_read(tmp_path):
+    """msprobe records a step's clipping and the optimizer's arithmetic as forward API calls after
+    its backward: they are the step's `update` phase, not its forward; and whether a tensor
+    requires a gradient (the batch does not) is kept."""
+    tensor = lambda grad: {"type": "torch.Tensor", "dtype": "torch.float32", "shape": [2], "Max": 1.0, "Min": 0.0,
+                           "Mean": 0.5, "Norm": 1.0, "requires_grad": grad}
+    data = {
+        "Functional.linear.0.forward": {"input_args": [tensor(False), tensor(True)], "input_kwargs": {},
+                                        "output": [tensor(True)]},
+        "Functional.linear.0.backward": {"input": [tensor(False)], "output": [tensor(False), tensor(False)]},
+        "Tensor.add_.0.forward": {"input_args": [tensor(True), tensor(False)], "input_kwargs": {},
+                                  "output": [tensor(True)]},
+    }
+    (dump,) = open_run(_msprobe_folder(tmp_path, data=data)).values()
+    r = dump.records.to_pandas()
+    assert r.groupby("name")["direction"].unique().map(list).to_dict() == {
+        "/Functional.linear#0": ["forward", "backward"], "/Tensor.add_#0": ["update"]}
+    linear = r[(r["name"] == "/Functional.linear#0") & (r["direction"] == "forward")]
+    assert list(linear["requires_grad"]) == [0, 1, 1]
+
+
 msprobe = pytest.mark.skipif(importlib.util.find_spec("msprobe") is None, reason="mindstudio-probe not installed")
 
 

@@ -135,13 +135,15 @@ def _calls(**columns) -> Table:
     each of distinct APIs unless given; its introduced_error from its errors, as call_table does."""
     n = len(next(iter(columns.values())))
     unit = np.asarray(columns.pop("unit", np.full(n, FP32)), np.float64)
+    columns["unit"] = unit
     defaults = {
         "rank": np.zeros(n, np.int64), "step": np.zeros(n, np.int64), "direction": np.full(n, "forward", object),
         "kind": np.full(n, "call", object), "seq_a": np.arange(n),
         "name": np.array([f"m/F.f{i}#0" for i in range(n)], object),
         "module": np.full(n, "m", object), "api": np.array([f"Functional.f{i}" for i in range(n)], object),
         "input_error": np.zeros(n), "output_error": np.zeros(n), "inputs_pass": np.ones(n, bool),
-        "outputs_fail": np.ones(n, bool), "condition": np.ones(n), "floor": noise_floor(unit),
+        "outputs_fail": np.ones(n, bool), "condition": np.ones(n), "condition_rule": np.full(n, "", object),
+        "invariant_error": np.zeros(n), "floor": noise_floor(unit),
         "metric": np.full(n, "rel_l2_err", object), "local_error_a": np.full(n, np.nan),
         "local_error_b": np.full(n, np.nan), "unit_a": unit, "unit_b": unit, "replay": np.full(n, "", object),
         "args_differ": np.zeros(n, bool), "inputs_identical": np.zeros(n, bool), "outputs_differ": np.ones(n, bool),
@@ -164,9 +166,10 @@ def test_amplification_is_judged_when_the_inputs_already_differ():
 
 
 def test_no_call_is_a_culprit_within_its_rounding_floor():
-    """bf16: an output error of 2.5 unit roundoffs from exact inputs is rounding (floor 3 u);
-    4 u is not. float32: the floor is 16 u, far below any failing row."""
-    calls = _calls(output_error=[2.5 * BF16, 7 * BF16, 1.5e-4], unit=[BF16, BF16, FP32])
+    """bf16: an output error of 3.9 unit roundoffs from exact inputs is rounding (floor 2 u, one
+    ulp, × MARGIN); 4.5 u is not (a 2 % fault is 5.1 u). float32: the floor is 16 u, far below
+    any failing row."""
+    calls = _calls(output_error=[3.9 * BF16, 4.5 * BF16, 1.5e-4], unit=[BF16, BF16, FP32])
     assert list(judge(calls, "intrinsic").culprit) == [False, True, True]
 
 

@@ -47,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
     direction = args.direction or kind
     step = args.step[0] if args.step else None
     paths = [args.dump] + ([args.against] if args.against else [])
-    results, units, checksums = [], [], []
+    results, units, scales, checksums = [], [], [], []
     for path in paths:
         runs = open_run(path, None if step is None else {step})
         try:
@@ -74,6 +74,7 @@ def main(args: argparse.Namespace) -> int:
             result = replay(recorded)
             if not result:
                 raise UserError(f"{path}: {args.name} cannot be replayed: {result.reason}")
+            scales.append(_rounding_scale(records.take(mine)))
             mine &= records["role"] == RESULT_ROLES[direction]
             units.append(max((UNIT_ROUNDOFF[dtype_class(d)] for d in records["dtype"][mine].tolist()), default=0.0))
             results.append(result)
@@ -96,10 +97,25 @@ def main(args: argparse.Namespace) -> int:
         console.print(f"unit roundoff of the result dtype: {format_number(units[0])}")
         return 0
     b_wrong, a_wrong, _ = (bool(v[0]) for v in wrong_sides(*(np.array([x]) for x in (
-        results[0].error, results[1].error, units[0], units[1]))))
+        results[0].error, results[1].error, units[0], units[1], scales[0]))))
     verdict = "B is wrong" if b_wrong else "A is wrong" if a_wrong else "both within noise of each other"
     console.print(f"verdict: {verdict}", style="bold red" if b_wrong or a_wrong else "bold green")
     return 1 if b_wrong or a_wrong else 0
+
+
+def _rounding_scale(records) -> float:
+    """How much the call's own rounding grows (bounds.rounding_scale), from its records on side A,
+    as compare takes it."""
+    import numpy as np
+
+    from pi0align.compare.judging.bounds import conditions, rounding_scale
+    from pi0align.compare.table import Table
+
+    call = Table({"api": records["api"][:1], "direction": records["direction"][:1]})
+    own = Table({"role": records["role"], "arg_index": records["arg_index"], "direction": records["direction"],
+                 **{f"{column}_a": records[column] for column in ("norm", "min", "max", "mean", "shape")}})
+    condition, rule = conditions(call, own, np.zeros(len(records), np.int64))
+    return float(rounding_scale(condition, rule)[0])
 
 
 def _batch(console, name: str, step: int, paths: list[str], checksums: list[int]) -> int:

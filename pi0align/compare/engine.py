@@ -153,6 +153,7 @@ def _compare_rank(a: Dump, b: Dump, tracker: _Tracker, replay: bool) -> tuple[Ta
         **{f"{s}_{side}": values.values(s, np.nan) for s in ("min", "max", "mean", "norm")
            for side, values in (("a", side_a), ("b", side_b))},
         "checksum_a": side_a.values("checksum", -1), "checksum_b": side_b.values("checksum", -1),
+        "requires_grad_a": side_a.values("requires_grad", -1), "requires_grad_b": side_b.values("requires_grad", -1),
     }, length=len(ia), nullable_ints=("seq_a", "seq_b"))
     for metric in TENSOR_METRICS + STATS_METRICS:
         rows[metric] = np.full(len(ia), np.nan)

@@ -65,6 +65,8 @@ class Culprit(CallRef):
     local_error_a: float = float("nan")  # replay: each side's error against float64 from its own inputs
     local_error_b: float = float("nan")
     local_ratio: float = float("nan")  # replay: the wrong side's local error over the other's (floored)
+    bound: float = float("nan")  # the output error its inputs and rounding explain (replay: the other side's)
+    bound_by: str = ""  # what that bound is made of (rootcause.broken_bound)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from pi0align.compare.result import CallRef, Comparison
+from pi0align.compare.result import CallRef, Comparison, Culprit
 from pi0align.compare.table import isin
 from pi0align.report.formatting import (
     call_label,
@@ -47,6 +47,7 @@ def print_summary(comparison: Comparison, console: Console, *, top: int = 10) ->
             console.print(_first_divergence(title, call))
     if comparison.culprits and top > 0:
         console.print(_culprit_table(comparison, top, console.width))
+        console.print(Text("top culprit: ", style="bold") + Text(broken_bound_text(comparison.culprits[0])))
     if comparison.culprit_groups:
         console.print(_groups_table(comparison))
         for group in comparison.culprit_groups:
@@ -59,6 +60,18 @@ def print_summary(comparison: Comparison, console: Console, *, top: int = 10) ->
         console.print(_manifest_table(comparison))
     for note in comparison.notes:
         console.print(Text("note: ", style="bold yellow") + Text(note))
+
+
+def broken_bound_text(culprit: Culprit) -> str:
+    """Which bound a culprit broke, and by how much."""
+    if not culprit.bound > 0:
+        return culprit.bound_by
+    if culprit.evidence == "replay":
+        what, measured = "local error", culprit.local_error_b if culprit.wrong_side == "B" else culprit.local_error_a
+    else:
+        what, measured = "error", culprit.introduced_error * culprit.bound
+    return (f"{what} {format_number(measured)}, {format_number(measured / culprit.bound)}× its bound "
+            f"{format_number(culprit.bound)}: {culprit.bound_by}")
 
 
 def _verdict_panel(comparison: Comparison) -> Panel:

@@ -21,6 +21,9 @@ from torch.overrides import TorchFunctionMode
 from pi0align.dump.perturb import UlpMover
 
 _quiet = torch._C.DisableTorchFunction
+# torch.Tensor's C methods, which msprobe (it wraps torch.Tensor's Python attributes) does not
+# record either: an emulated fault's own arithmetic is no call of the run
+_times, _view_as = torch._C.TensorBase.mul, torch._C.TensorBase.view_as
 MATMUL_FAMILY = frozenset({F.linear, torch.matmul, torch.Tensor.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
                            torch.einsum, F.conv1d, F.conv2d, F.conv3d, torch.Tensor.__matmul__,
                            F.scaled_dot_product_attention})
@@ -117,7 +120,7 @@ class Fault(TorchFunctionMode):
                 if self.backward:
                     return _GradientTimes.apply(result, self.factor)
                 with _quiet():
-                    return result * self.factor
+                    return _times(result, self.factor)
         return result
 
 
@@ -132,7 +135,7 @@ class EveryCall(TorchFunctionMode):
         result = func(*args, **(kwargs or {}))
         if func is self.func and isinstance(result, torch.Tensor):
             with _quiet():
-                return result * self.factor
+                return _times(result, self.factor)
         return result
 
 
@@ -142,11 +145,11 @@ class _GradientTimes(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, factor: float) -> torch.Tensor:
         ctx.factor = factor
-        return tensor.view_as(tensor)
+        return _view_as(tensor, tensor)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.factor, None
+        return _times(grad, ctx.factor), None
 
 
 @contextlib.contextmanager

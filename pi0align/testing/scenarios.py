@@ -4,7 +4,7 @@ or real PI0, trained two steps from a fixed seed with both steps dumped, on an e
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -95,10 +95,9 @@ class ToyRun:
     module_gradient_scaled: tuple[str, float] | None = None
 
 
-def dump_toy(path: str | Path, run: ToyRun) -> Path:
-    """`run.steps` AdamW steps of a toy model, `run.dumped` of them dumped; returns the dump folder."""
-    from pi0align.dump import Dumper
-
+def _toy_training(run: ToyRun):
+    """The toy run's model, its batches (made before any emulated device or dumper: as a loader
+    hands them over) and its optimizer, with the run's hooks on them."""
     torch.manual_seed(run.seed)
     # the model made in float32 and cast: a bf16 run holds the fp32 run's initial weights, rounded
     model = Mlp() if run.model == "mlp" else Transformer(sdpa=run.sdpa)
@@ -110,7 +109,6 @@ def dump_toy(path: str | Path, run: ToyRun) -> Path:
     changed = data.clone()
     changed[0] = (torch.randn(*shape[1:], generator=torch.Generator().manual_seed(2)) if run.sample_change is None
                   else data[0] * (1 + run.sample_change))
-    # made before the emulated device and the dumper: the batch as a loader hands it over
     batches = [(changed if step == run.changed_sample_at else data).to(DTYPES[run.dtype]) for step in range(run.steps)]
     optimizers = {"adamw": torch.optim.AdamW, "handwritten": HandWrittenAdamW}
     optimizer = optimizers[run.optimizer](model.parameters(), lr=run.lr, eps=run.eps)
@@ -121,18 +119,32 @@ def dump_toy(path: str | Path, run: ToyRun) -> Path:
     if run.update_scaled is not None:  # before the dumper's hooks, so that its records see it
         scaled, factor = model.get_parameter(run.update_scaled[0]), run.update_scaled[1]
         optimizer.register_step_post_hook(lambda *_: scaled.data.mul_(factor))
+    return model, batches, optimizer
+
+
+def _toy_step(run: ToyRun, step: int, model, batch, optimizer) -> torch.Tensor:
+    """One training step of the toy run; returns its loss."""
+    loss = model(batch).float().square().mean()
+    loss.backward()
+    if run.gradient_scaled is not None and run.gradient_scaled[2] == step:
+        with torch.no_grad():
+            model.get_parameter(run.gradient_scaled[0]).grad.mul_(run.gradient_scaled[1])
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def dump_toy(path: str | Path, run: ToyRun) -> Path:
+    """`run.steps` AdamW steps of a toy model, `run.dumped` of them dumped; returns the dump folder."""
+    from pi0align.dump import Dumper
+
+    model, batches, optimizer = _toy_training(run)
     with run.device.on(model), Dumper(path, steps=run.dumped, level=run.level, mode=run.mode,
                                       exclude=list(run.exclude) or None, perturb_ulps=run.perturb_ulps,
                                       perturb_seed=run.seed + 7) as dumper:
         dumper.start(model, optimizer=optimizer if run.record_optimizer else None)
         for step, batch in enumerate(batches):
-            loss = model(batch).float().square().mean()
-            loss.backward()
-            if run.gradient_scaled is not None and run.gradient_scaled[2] == step:
-                with torch.no_grad():
-                    model.get_parameter(run.gradient_scaled[0]).grad.mul_(run.gradient_scaled[1])
-            optimizer.step()
-            optimizer.zero_grad()
+            loss = _toy_step(run, step, model, batch, optimizer)
             dumper.record_metrics(step, loss, lr=optimizer.param_groups[0]["lr"])
             dumper.step()
     if not run.checksums:
@@ -142,6 +154,24 @@ def dump_toy(path: str | Path, run: ToyRun) -> Path:
             for step in f["steps"].values():
                 step["records"]["checksum"][...] = -1
     return Path(path)
+
+
+def dump_toy_with_msprobe(path: str | Path, run: ToyRun, level: str = "L1") -> Path:
+    """The toy run dumped by msprobe's PrecisionDebugger (task statistics, every step, its own
+    `start` / `stop` / `step` around each); run it in a child process: msprobe patches torch for
+    good. Returns msprobe's dump folder."""
+    from msprobe.pytorch import PrecisionDebugger
+
+    path = Path(path)
+    debugger = PrecisionDebugger(task="statistics", dump_path=str(path), level=level)  # made first, as scripts do
+    model, batches, optimizer = _toy_training(run)
+    with run.device.on(model):
+        for step, batch in enumerate(batches):
+            debugger.start(model)
+            _toy_step(run, step, model, batch, optimizer)
+            debugger.stop()
+            debugger.step()
+    return path
 
 
 @dataclass(frozen=True)
@@ -357,6 +387,16 @@ def pi0_cases(steps: int = 2) -> list[Case]:
                  Pi0Run(threads=2, steps=steps, device=Emulation(fault=EXPERT_FAULT)), "diverged", EXPERT_CULPRIT)]
 
 
+def statistics_only(case: Case) -> Case:
+    """The same case dumped in statistics mode and judged without a noise reference or replay:
+    the intrinsic rule alone, as most users' dumps (and every msprobe statistics dump) are judged."""
+    def stats(run):
+        return replace(run, mode="stats", perturb_ulps=0)
+
+    return replace(case, name=case.name + " [statistics only]", a=stats(case.a), b=stats(case.b), reference=None,
+                   replay=False)
+
+
 def play(case: Case, work: Path, made: dict) -> tuple[object, bool]:
     """Dump the case's runs (each once: `made` maps a run to its dump folder) and compare them as a
     user would; returns the Comparison and whether its answer is right: the expected verdict, no
@@ -390,10 +430,11 @@ def play(case: Case, work: Path, made: dict) -> tuple[object, bool]:
 
 
 def dump_pi0_with_msprobe(out: str | Path, task: str = "statistics", level: str = "L1", preset: str = "small",
-                          dtype: str = "bf16", threads: int = 1, seed: int = 1234) -> Path:
+                          dtype: str = "bf16", threads: int = 1, seed: int = 1234,
+                          device: Emulation = Emulation()) -> Path:
     """One training step of real LeRobot PI0 dumped by msprobe's PrecisionDebugger (its own
-    `start` / `stop` / `step` around the step); run it in a child process: msprobe patches torch
-    for good."""
+    `start` / `stop` / `step` around the step), on an emulated `device`; run it in a child process:
+    msprobe patches torch for good."""
     from msprobe.pytorch import PrecisionDebugger
 
     from pi0align.device import resolve
@@ -405,14 +446,18 @@ def dump_pi0_with_msprobe(out: str | Path, task: str = "statistics", level: str 
     config = TrainConfig(preset=preset, dtype=dtype, steps=1, threads=threads, seed=seed, out=out / "run",
                          progress=False, log_every=0)
     torch.set_num_threads(threads)
+    # made first, as a training script makes it: msprobe wraps torch's functions when made, and
+    # transformers binds F.gelu when the model is built (functools.partial)
+    debugger = PrecisionDebugger(task=task, dump_path=str(out / "msprobe"), level=level)
     components = build_components(config, resolve("cpu"))
     policy = components["policy"]
     batch = components["preprocessor"](next(iter(make_loader(components["dataset"], batch_size=config.batch_size,
                                                              seed=seed, start_step=0, steps=1, num_workers=0,
                                                              pin_memory=False))))
-    debugger = PrecisionDebugger(task=task, dump_path=str(out / "msprobe"), level=level)
-    debugger.start(policy)
-    train_step(policy, batch, components["optimizer"], components["scheduler"], policy.config.optimizer_grad_clip_norm)
-    debugger.stop()
-    debugger.step()
+    with device.on(policy):
+        debugger.start(policy)
+        train_step(policy, batch, components["optimizer"], components["scheduler"],
+                   policy.config.optimizer_grad_clip_norm)
+        debugger.stop()
+        debugger.step()
     return out / "msprobe"

@@ -1,15 +1,23 @@
 """How much output error a call's inputs and its own rounding explain (docs/compare.md, "Bounds").
 
-A call is within its bound when its output error e_out is at most MARGIN × max(C × e_in, F × u):
+A call is within its bound when its output error e_out is at most MARGIN × max(C × e_in, F × u × S):
 e_in the largest error among its inputs, C the condition of its API (how much the API itself
-grows a relative error; 1 where it does not), u the unit roundoff of its output dtype and F the
-number of unit roundoffs its own rounding, and the other side's, may add. `introduced_error` is
-e_out / max(C × e_in, F × u): above MARGIN, the call adds error that neither its inputs nor
-rounding explain, whatever its inputs hold.
+grows a relative error, from the records' statistics: `conditions`, one table for every API; 1
+where it does not), u the unit roundoff of its output dtype, F the unit roundoffs its own
+rounding and the other side's may put on it, and S = C for calls that sum (their terms' rounding
+cancels as their values do; 1 for the others). A statistic that a result keeps whatever its
+inputs (a softmax's mean: every row sums to one) is held to the floor alone (`invariant_error`).
+`introduced` is e_out over that bound: above MARGIN, the call adds error that neither its inputs
+nor rounding explain, whatever its inputs hold.
 
-The floors are replay's (judge.py): 3 u in half precision, above a result moved by up to one ulp
-(≈ 1.3 u) and its rounding (≈ 0.4 u); 16 u in float32 and float64, room for reduction-order error
-over long sums (≈ √K u).
+The floor F × u, per statistic: one ulp (F = 2) in half precision. Each side rounds its result
+once from a wider accumulator, within half an ulp of the exact value, so the two sides are at
+most an ulp apart in each element (an ulp is u to 2 u of the element), and so in each statistic:
+the extremes (relative to the largest magnitude), the norm (by the triangle inequality) and the
+mean (relative to the RMS: |Δ mean| ≤ mean |δ_i| ≤ 2 u RMS); the same holds for the relative L2
+error of full tensors. Eight ulps (F = 16) in float32 and float64: device libraries' transcendental
+functions are within one to four ulps on each side (CUDA's expf and tanhf: two), and reductions
+reorder sums of K terms (≈ √K u).
 """
 
 from __future__ import annotations
@@ -28,11 +36,40 @@ from pi0align.compare.table import Table, lookup
 # input already 0.5 % off introduces 6×.
 MARGIN = 2.0
 _HALF = (UNIT_ROUNDOFF["bfloat16"], UNIT_ROUNDOFF["float16"])
-FLOOR_UNITS_HALF, FLOOR_UNITS = 3.0, 16.0
-# APIs whose output sums products over a reduction dimension: their condition is measured (below)
-# (their operands' input indexes)
+FLOOR_UNITS_HALF, FLOOR_UNITS = 2.0, 16.0
+
+# The conditions of APIs, by function name (what follows the last dot of the API); the
+# derivations are in docs/compare.md, "Bounds". APIs that sum products over a reduction dimension
+# (their operands' input indexes): C = ‖A‖ ‖B‖ / (√K ‖AB‖)
 MATMULS = {"linear": (0, 1), "matmul": (0, 1), "__matmul__": (0, 1), "mm": (0, 1), "bmm": (0, 1), "mv": (0, 1),
            "addmm": (1, 2), "baddbmm": (1, 2)}
+# products: the factors' relative errors add, C = 2 where two tensors are multiplied
+PRODUCTS = frozenset({"mul", "__mul__", "__rmul__", "__imul__", "mul_", "multiply", "addcmul", "addcmul_"})
+# quotients and roots: (the input near zero, C from its R = max|x| / min|x|): an error of e max|x|
+# is e R relative at the element closest to zero (R infinite where x reaches zero)
+QUOTIENTS = {**dict.fromkeys(("div", "__truediv__", "__itruediv__", "div_", "true_divide", "divide"),
+                             (1, lambda r: 1.0 + r)),
+             "__rtruediv__": (0, lambda r: 1.0 + r), "addcdiv": (2, lambda r: 1.0 + r),
+             "addcdiv_": (2, lambda r: 1.0 + r), "reciprocal": (0, lambda r: r), "reciprocal_": (0, lambda r: r),
+             "rsqrt": (0, lambda r: r / 2), "rsqrt_": (0, lambda r: r / 2),
+             "sqrt": (0, lambda r: np.sqrt(r) / 2), "sqrt_": (0, lambda r: np.sqrt(r) / 2)}
+# sums and differences: C = Σ ‖inputs‖ / ‖output‖ (cancellation, by the triangle inequality)
+ADDITIONS = frozenset({"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__",
+                       "sub_", "subtract", "lerp", "lerp_"})
+# powers: C = 2, the square (the exponent is not read from the records; with MARGIN, up to the fourth)
+POWERS = frozenset({"pow", "pow_", "__pow__", "square", "square_"})
+# exp: an absolute input error is the output's relative error, C = max|x|
+EXPONENTIALS = frozenset({"exp", "exp_", "exp2", "exp2_"})
+# softmax: δp/p = δz − Σ p δz, so C = 2 max|z|; its mean is 1 / (row length) whatever its input
+SOFTMAXES = frozenset({"softmax", "_softmax"})
+# log_softmax: δ out = δz − Σ p δz, C = 2 max|z| / max|out|
+LOG_SOFTMAXES = frozenset({"log_softmax", "_log_softmax"})
+# normalisations over a dimension: C = RMS(x) / std(x) = ‖x‖ / √(‖x‖² − n mean²)
+NORMALIZATIONS = frozenset({"layer_norm", "group_norm", "batch_norm", "instance_norm", "native_layer_norm"})
+# forward reductions to fewer elements (their result's scaling: a sum, or a mean over P terms)
+REDUCTIONS = {"sum": "sum", "nansum": "sum", "mean": "mean", "nanmean": "mean"}
+# calls whose own rounding is amplified by their condition: sums whose terms cancel
+SUMMING_RULES = frozenset({"matmul", "reduction", "gradient sum"})
 
 
 def noise_floor(unit: np.ndarray) -> np.ndarray:
@@ -41,30 +78,163 @@ def noise_floor(unit: np.ndarray) -> np.ndarray:
     return np.where(np.isin(unit, _HALF), FLOOR_UNITS_HALF, FLOOR_UNITS) * unit
 
 
-def conditions(calls: Table, records: Table, call_of_record: np.ndarray) -> np.ndarray:
-    """C per call: 1, except for the matmul family, where a relative error ε of either operand
-    becomes ε ‖A‖ ‖B‖ / (√K ‖AB‖) in the product (K the reduction length): 1 for operands of
-    independent entries, more where the product cancels (a small output of large operands); and
-    for backward calls that sum a gradient over positions (the gradient of a weight or a bias:
-    fewer elements out than in), `reduction_condition`; for the calls that select a part of their
-    input (SELECTIONS), ‖x‖ / ‖part‖: all of the input's error may sit in the part. `records`: the
-    judged records (norm_a, min_a, max_a, shape_a, role, arg_index); `call_of_record`: each
-    record's row in `calls`."""
+def rounding_scale(condition: np.ndarray, rule: np.ndarray) -> np.ndarray:
+    """How much a call's own rounding grows: C for the calls that sum (SUMMING_RULES: their terms'
+    rounding cancels as their values do), 1 for the others."""
+    return np.where(np.isin(np.asarray(rule, object), list(SUMMING_RULES)), condition, 1.0)
+
+
+def invariant_errors(calls: Table, records: Table, call_of_record: np.ndarray) -> np.ndarray:
+    """Per call, the error of the statistics its result keeps whatever its inputs (a softmax's
+    mean: every row sums to one), 0 where it keeps none. `records` as for `conditions`, with
+    `mean_val_rel_err`."""
     function = np.array([api.rpartition(".")[2] for api in calls["api"].tolist()], dtype=object)
-    condition = np.maximum(_summing_conditions(calls, records, call_of_record),
-                           _selection_conditions(calls, records, call_of_record, function))
+    softmax = np.flatnonzero((calls["direction"].astype(object) != "backward") & np.isin(function, list(SOFTMAXES)))
+    invariant = np.zeros(len(calls))
+    invariant[softmax] = np.nan_to_num(_CallRecords(calls, records, call_of_record).output_statistic_error(
+        softmax, "mean_val_rel_err"))
+    return invariant
+
+
+def conditions(calls: Table, records: Table, call_of_record: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The condition C of every call and the rule that gave it ("" where C = 1), from its records
+    (side A's norm, mean, min, max and shape, their role and arg_index, the call's direction) by
+    its API (the tables above), its backward summing a gradient over positions
+    (`reduction_condition`) or its selecting a part of its input (SELECTIONS: ‖x‖ / ‖part‖, all of
+    the input's error may sit in the part). `call_of_record`: each record's row in `calls`."""
+    function = np.array([api.rpartition(".")[2] for api in calls["api"].tolist()], dtype=object)
+    forward = calls["direction"].astype(object) != "backward"
+    of = _CallRecords(calls, records, call_of_record)
+    condition, rule = np.ones(len(calls)), np.full(len(calls), "", object)
+
+    def apply(values: np.ndarray, name: str) -> None:
+        values = np.where(np.isnan(values), 1.0, values)
+        larger = values > condition
+        condition[larger], rule[larger] = values[larger], name
+
+    apply(_summing_conditions(calls, records, call_of_record), "gradient sum")
+    apply(_selection_conditions(calls, records, call_of_record, function), "selection")
+    apply(np.where(forward & np.isin(function, list(PRODUCTS)), np.minimum(2.0, of.count("input")), 1.0), "product")
+    apply(np.where(forward & np.isin(function, list(POWERS)), 2.0, 1.0), "power")
+    for name, (index, from_ratio) in QUOTIENTS.items():
+        at = np.flatnonzero(forward & (function == name))
+        if len(at):
+            apply(_at(len(calls), at, from_ratio(of.closeness_to_zero(at, index))), "quotient")
+    addition = np.flatnonzero(forward & np.isin(function, list(ADDITIONS)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        apply(_at(len(calls), addition, of.input_norms(addition) / of.norm(addition, "output", 0)), "cancellation")
+    exponential = np.flatnonzero(forward & np.isin(function, list(EXPONENTIALS)))
+    apply(_at(len(calls), exponential, of.scale(exponential, "input", 0)), "exponential")
+    softmax = np.flatnonzero(forward & np.isin(function, list(SOFTMAXES)))
+    apply(_at(len(calls), softmax, 2.0 * of.scale(softmax, "input", 0)), "softmax")
+    log_softmax = np.flatnonzero(forward & np.isin(function, list(LOG_SOFTMAXES)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        spread = of.scale(log_softmax, "input", 0) / of.scale(log_softmax, "output", 0)
+    apply(_at(len(calls), log_softmax, 2.0 * spread), "softmax")
+    normalization = np.flatnonzero(forward & np.isin(function, list(NORMALIZATIONS)))
+    apply(_at(len(calls), normalization, of.rms_over_std(normalization)), "normalization")
+    for name, scaling in REDUCTIONS.items():
+        at = np.flatnonzero(forward & (function == name))
+        if len(at):
+            apply(_at(len(calls), at, of.reduction(at, scaling)), "reduction")
+    apply(_matmul_conditions(function, of), "matmul")
+    return condition, rule
+
+
+def _at(n: int, at: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """`values` at the calls `at`, NaN (no condition) elsewhere."""
+    out = np.full(n, np.nan)
+    out[at] = values
+    return out
+
+
+class _CallRecords:
+    """The records of the calls, found by role and argument index, with side A's statistics."""
+
+    def __init__(self, calls: Table, records: Table, call_of_record: np.ndarray):
+        self.records, self.call_of_record, self.n_calls = records, call_of_record, len(calls)
+        self.keys = [call_of_record, records["role"], records["arg_index"]]
+        self.norms = records["norm_a"].astype(np.float64)
+        low, high = records["min_a"].astype(np.float64), records["max_a"].astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            finite = lambda v: np.where(np.isfinite(v), np.abs(v), np.nan)  # noqa: E731
+            self.scales = np.fmax(finite(low), finite(high))  # max |x|, a mask of -inf left out
+            self.nearest_zero = np.where((low <= 0) & (high >= 0), 0.0, np.fmin(np.abs(low), np.abs(high)))
+        self.means = records["mean_a"].astype(np.float64)
+        self.numels = np.array([_numel(str(shape)) for shape in records["shape_a"].tolist()], np.float64)
+
+    def record(self, at: np.ndarray, role: str, index) -> np.ndarray:
+        """The row in `records` of each call's tensor of that role and argument index, -1 where none."""
+        index = np.broadcast_to(np.asarray(index, np.int64), at.shape)
+        return lookup([at, np.full(len(at), role, object), index], self.keys)
+
+    def _of(self, column: np.ndarray, at: np.ndarray, role: str, index) -> np.ndarray:
+        found = self.record(at, role, index)
+        return np.where(found >= 0, column[np.maximum(found, 0)], np.nan) if len(column) else np.full(len(at), np.nan)
+
+    def norm(self, at: np.ndarray, role: str, index) -> np.ndarray:
+        return self._of(self.norms, at, role, index)
+
+    def scale(self, at: np.ndarray, role: str, index) -> np.ndarray:
+        """max |x| of each call's tensor of that role and index (its finite extremes)."""
+        return self._of(self.scales, at, role, index)
+
+    def count(self, role: str) -> np.ndarray:
+        """Per call, how many tensors of that role it has."""
+        return np.bincount(self.call_of_record[self.records["role"] == role], minlength=self.n_calls)
+
+    def input_norms(self, at: np.ndarray) -> np.ndarray:
+        """Σ ‖inputs‖ of each call."""
+        mine = self.records["role"] == "input"
+        return np.bincount(self.call_of_record[mine], np.nan_to_num(self.norms[mine]), minlength=self.n_calls)[at]
+
+    def closeness_to_zero(self, at: np.ndarray, index: int) -> np.ndarray:
+        """R = max|x| / min|x| of each call's input `index`: inf where x reaches zero, 0 where that
+        input is no tensor (a number divides: it holds no error)."""
+        found = self.record(at, "input", index)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = self._of(self.scales, at, "input", index) / self._of(self.nearest_zero, at, "input", index)
+        return np.where(found >= 0, np.where(np.isnan(ratio), np.inf, ratio), 0.0)
+
+    def rms_over_std(self, at: np.ndarray) -> np.ndarray:
+        """‖x‖ / √(‖x‖² − n mean²) of each call's first input (1 where unknown)."""
+        norm, n, mean = (self._of(column, at, "input", 0) for column in (self.norms, self.numels, self.means))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = norm / np.sqrt(norm**2 - n * mean**2)
+        return np.where(np.isfinite(ratio), ratio, 1.0)
+
+    def reduction(self, at: np.ndarray, scaling: str) -> np.ndarray:
+        """The condition of a forward sum or mean of P terms into each result element, where fewer
+        elements come out than go in (1 elsewhere): reduction_condition, the result's norm taken
+        × P for a mean."""
+        in_norm, in_numel = self._of(self.norms, at, "input", 0), self._of(self.numels, at, "input", 0)
+        out_norm, out_numel = self._of(self.norms, at, "output", 0), self._of(self.numels, at, "output", 0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            terms = in_numel / out_numel
+            condition = reduction_condition(in_norm, in_numel, out_norm * (terms if scaling == "mean" else 1.0),
+                                            out_numel)
+        return np.where((out_numel > 0) & (out_numel < in_numel), condition, 1.0)
+
+    def output_statistic_error(self, at: np.ndarray, metric: str) -> np.ndarray:
+        """The largest error of one statistic over each call's outputs (0 where none is known)."""
+        mine = np.flatnonzero(np.isin(self.call_of_record, at) & (self.records["role"] == "output"))
+        largest = np.zeros(self.n_calls)
+        np.fmax.at(largest, self.call_of_record[mine], self.records[metric].astype(np.float64)[mine])
+        return largest[at]
+
+
+def _matmul_conditions(function: np.ndarray, of: _CallRecords) -> np.ndarray:
+    """C = ‖A‖ ‖B‖ / (√K ‖AB‖) for the matmul family (K the reduction length; NaN elsewhere): an
+    operand's relative error ε becomes about ε ‖A‖ ‖B‖ / (√K ‖AB‖) in the product, 1 for operands
+    of independent entries, more where the product cancels."""
+    condition = np.full(len(function), np.nan)
     matmul = np.flatnonzero(np.isin(function, list(MATMULS)))
     if not len(matmul):
         return condition
-    keys = [call_of_record, records["role"], records["arg_index"]]
     operands = np.array([MATMULS[f] for f in function[matmul].tolist()], np.int64).reshape(-1, 2)
-
-    def record(role: str, index: np.ndarray) -> np.ndarray:
-        return lookup([matmul, np.full(len(matmul), role, object), index], keys)
-
-    norms, shapes = records["norm_a"].astype(np.float64), records["shape_a"]
-    first, second = record("input", operands[:, 0]), record("input", operands[:, 1])
-    result = record("output", np.zeros(len(matmul), np.int64))
+    first, second = of.record(matmul, "input", operands[:, 0]), of.record(matmul, "input", operands[:, 1])
+    result = of.record(matmul, "output", 0)
+    norms, shapes = of.norms, of.records["shape_a"]
     for call, i, j, k in zip(matmul.tolist(), first.tolist(), second.tolist(), result.tolist()):
         if min(i, j, k) < 0:
             continue
@@ -200,10 +370,17 @@ def _last_dimension(shape: str) -> int:
     return dims[-1] if dims else 0
 
 
+def explained_error(input_error: np.ndarray, condition: np.ndarray, floor: np.ndarray) -> np.ndarray:
+    """max(C × e_in, floor): the output error a call's inputs and its rounding explain (an input
+    without error explains nothing, however large C)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        propagated = np.where(input_error == 0, 0.0, condition * input_error)
+        return np.maximum(propagated, np.where(floor > 0, floor, np.finfo(float).tiny))
+
+
 def introduced(output_error: np.ndarray, input_error: np.ndarray, condition: np.ndarray,
                floor: np.ndarray) -> np.ndarray:
     """e_out / max(C × e_in, floor): how many times more error leaves the call than its inputs and
     rounding explain."""
     with np.errstate(over="ignore", invalid="ignore"):
-        explained = np.maximum(condition * input_error, np.where(floor > 0, floor, np.finfo(float).tiny))
-        return np.where(np.isnan(output_error), np.nan, output_error / explained)
+        return np.where(np.isnan(output_error), np.nan, output_error / explained_error(input_error, condition, floor))

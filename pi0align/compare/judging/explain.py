@@ -4,10 +4,11 @@ The last stage of the verdict: rows judged against their limits (verdict.py), th
 (rootcause.py) and their judgement (judge.py) in, each row's final verdict and the rule that
 turned it `warn` out (`explained_by`). A failing row is explained only by what made it, within a
 bound: a result of a call within noise, the same tensor as an explained result, a sum or a
-clipping of explained gradients, a tensor made inside a module by calls that were not dumped
-while the module stayed within its bound, or a gradient at rounding level. Only rows that ran
-before their rank's first culprit are explained (those after it may inherit its error), and no
-row of a module around a culprit. Everything else keeps failing: the run is `diverged`.
+clipping of explained gradients (also as msprobe's `update` calls read them), a tensor made
+inside a module by calls that were not dumped while the module stayed within its bound, or a
+gradient at rounding level. Only rows that ran before their rank's first culprit are explained
+(those after it may inherit its error), and no row of a module around a culprit. Everything else
+keeps failing: the run is `diverged`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from pi0align.compare.judging.bounds import MARGIN, noise_floor
-from pi0align.compare.judging.identity import RESULT_ROLES, gradient_sources
+from pi0align.compare.judging.identity import (
+    RESULT_ROLES,
+    accumulated_gradient_sources,
+    gradient_sources,
+    requires_grad,
+)
 from pi0align.compare.judging.judge import Judgement
 from pi0align.compare.judging.modules import containing, enclosing_modules
 from pi0align.compare.judging.rootcause import call_directions, phases, row_error
@@ -79,6 +85,7 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
 
     settle((producer >= 0) & gather(fine(), producer, False), "producer")
     settle(_gradient_sums_within(rows, identity, error, verdict, fine()), "gradient_sum")
+    settle(_accumulated_within(rows, identity, producer, error, verdict, fine()), "gradient_sum")
     settle(_clipped_within(rows, error, fine()), "clipping")
     settle(_states_within(rows, fine()), "producer")
     settle(_made_inside(rows, calls, call, judgement, producer), "module")
@@ -130,6 +137,24 @@ def _gradient_sums_within(rows: Table, identity: np.ndarray, error: np.ndarray, 
     gradient = (rows["direction"] == "backward") & (rows["role"] == "grad_output")
     with np.errstate(invalid="ignore"):
         return gradient & ~readers_fail & (error <= MARGIN * np.maximum(bound, _floors(rows)))
+
+
+def _accumulated_within(rows: Table, identity: np.ndarray, producer: np.ndarray, error: np.ndarray,
+                        verdict: np.ndarray, fine: np.ndarray) -> np.ndarray:
+    """Gradients the step's update reads that no dumped call produced, where no parameter
+    gradient was recorded (msprobe's `update` calls): within MARGIN × the bound of the sum the
+    readers of a tensor of their shape that requires a gradient sent back
+    (identity.accumulated_gradient_sources), every one of those explained."""
+    gradients = (rows["direction"] == "update") & (rows["role"] == "input") & (producer < 0)
+    if not gradients.any():
+        return gradients
+    # tensors read in forward that require a gradient (statistics may tell a parameter from the
+    # same values elsewhere no better: every zero bias has the same statistics)
+    leaves = (rows["direction"] == "forward") & (rows["role"] == "input") & (requires_grad(rows) == 1)
+    bound, readers_fail = accumulated_gradient_sources(rows, identity, error, (verdict == "fail") & ~fine, gradients,
+                                                       leaves)
+    with np.errstate(invalid="ignore"):
+        return gradients & ~readers_fail & (error <= MARGIN * np.maximum(bound, _floors(rows)))
 
 
 def _clipped_within(rows: Table, error: np.ndarray, fine: np.ndarray) -> np.ndarray:
@@ -202,6 +227,9 @@ _SOURCES = {
                                  "dumped",
     ("parameter", "parameter_grad"): "a parameter's gradient that no dumped backward call explains: gradient "
                                      "accumulation, all-reduce, a hook, or an operation that was not dumped",
+    ("update", "input"): "what the step's update read differs from what its backward made (a gradient beyond the "
+                         "sum of what the readers of a parameter of its shape sent back: a hook, gradient "
+                         "accumulation, all-reduce), or from what the step before left (a parameter, a state)",
     ("optimizer", "input"): "what the optimizer's update read differs from what the step left (the parameter, "
                             "its gradient beyond what clipping explains, or the states of the update before): "
                             "something changed it between backward and the update (a hook, gradient "

@@ -17,6 +17,10 @@ from pi0align.compare.table import Table, isin, key_codes, lookup
 RESULT_ROLES = (*OUTPUT_ROLES, "parameter")  # what a call, a parameter or the batch hands on
 _FINGERPRINT = ("min", "max", "mean", "norm")
 _PAIRED = ("matched", "realigned", "dtype_mismatch")
+# calls that hand on their input's values (a dtype conversion, a copy): one that runs on one side
+# only (`.float()` of a bf16 tensor; of a float32 one it is no call) hands on its input's tensor
+VALUE_PRESERVING = frozenset({"float", "double", "half", "bfloat16", "to", "type_as", "type", "contiguous", "clone",
+                              "detach"})
 
 
 def tensor_identities(rows: Table) -> np.ndarray:
@@ -25,7 +29,7 @@ def tensor_identities(rows: Table) -> np.ndarray:
     statistics)."""
     n = len(rows)
     paired = isin(rows["pairing"], _PAIRED)
-    checksum_a, checksum_b = rows["checksum_a"].astype(np.int64), rows["checksum_b"].astype(np.int64)
+    checksum_a, checksum_b = (_through_one_sided_copies(rows, side) for side in "ab")
     by_checksum = paired & (checksum_a != -1) & (checksum_b != -1)
     stats = np.column_stack([rows[f"{s}_{side}"].astype(np.float64) for s in _FINGERPRINT for side in "ab"])
     by_statistics = paired & ~by_checksum & np.isfinite(stats).all(axis=1)
@@ -51,6 +55,32 @@ def produced(rows: Table, identity: np.ndarray, results: np.ndarray) -> np.ndarr
     return found
 
 
+def _through_one_sided_copies(rows: Table, side: str) -> np.ndarray:
+    """One side's checksums, where the result of a VALUE_PRESERVING call that ran on that side only
+    takes what it was handed's checksum: forward, its output its input's; backward, the gradient
+    it sends back the one it received."""
+    checksum = rows[f"checksum_{side}"].astype(np.int64)
+    alone = (rows["pairing"] == f"only_{side}") & (rows["arg_index"] == 0) & np.isin(
+        np.array([api.rpartition(".")[2] for api in rows["api"].tolist()], object), list(VALUE_PRESERVING))
+    keys = [rows[k] for k in ("rank", "step", "name", "direction")]
+    copied = {}
+    for handed, result in (("input", "output"), ("grad_output", "grad_input")):
+        sources = np.flatnonzero(alone & (rows["role"] == handed))
+        results = np.flatnonzero(alone & (rows["role"] == result))
+        if not len(sources) or not len(results):
+            continue
+        of = lookup([k[results] for k in keys], [k[sources] for k in keys])
+        pairs = zip(checksum[results[of >= 0]].tolist(), checksum[sources[of[of >= 0]]].tolist())
+        copied.update({made: handed_on for made, handed_on in pairs if made != -1 and handed_on != -1})
+    return np.array([copied.get(c, c) for c in checksum.tolist()], np.int64) if copied else checksum
+
+
+def requires_grad(rows: Table) -> np.ndarray:
+    """Per row, whether its tensor requires a gradient: 1, 0, or -1 where the dumps do not say
+    (msprobe's say; ours record the batch and the parameters instead)."""
+    return np.where(rows["requires_grad_a"] >= 0, rows["requires_grad_a"], rows["requires_grad_b"])
+
+
 def gradient_sources(rows: Table, identity: np.ndarray, error: np.ndarray,
                      failing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """What a gradient is made of: autograd sums the gradients that a tensor's readers send back.
@@ -58,7 +88,6 @@ def gradient_sources(rows: Table, identity: np.ndarray, error: np.ndarray,
     error that sum can have, Σ e_i ‖g_i‖ / ‖g‖ over the readers' gradients g_i (the triangle
     inequality; NaN where no reader of the tensor was dumped), and whether a reader's gradient fails."""
     n = len(rows)
-    bound, readers_fail = np.full(n, np.nan), np.zeros(n, bool)
     direction, role, arg = rows["direction"], rows["role"], rows["arg_index"]
     names = (rows["rank"], rows["step"], rows["name"])
     # the tensor each gradient belongs to: its call's forward output, or the parameter itself
@@ -70,11 +99,47 @@ def gradient_sources(rows: Table, identity: np.ndarray, error: np.ndarray,
         if len(at) and len(source):
             found = lookup([k[at] for k in names] + [own_arg[at]], [k[source] for k in names] + [arg[source]])
             tensor[at] = np.where(found >= 0, identity[source[np.maximum(found, 0)]], -1)
-    if not (tensor >= 0).any():
-        return bound, readers_fail
-    # its readers: the forward inputs holding that tensor, and what their backward calls sent to
-    # them; a module and the calls inside it read the same tensor, and autograd sums only what the
-    # innermost sent: the API calls' where there are any, else the modules' of the longest path
+    codes, weighted, any_fails = _sent_back(rows, identity, error, failing)
+    return _sum_bounds(rows, tensor, codes, weighted, any_fails)
+
+
+def accumulated_gradient_sources(rows: Table, identity: np.ndarray, error: np.ndarray, failing: np.ndarray,
+                                 gradients: np.ndarray, leaves: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The same for the gradients a step's update reads where no parameter gradient was recorded
+    (msprobe's `update` calls): each is what the readers of one parameter sent back, and since
+    which one is not recorded, the largest bound among the tensors read in forward that require a
+    gradient (`leaves`) of the gradient's shape and dtype. Per row in `gradients`."""
+    n = len(rows)
+    codes, weighted, any_fails = _sent_back(rows, identity, error, failing)
+    leaf = np.flatnonzero(leaves & (identity >= 0))
+    place = np.searchsorted(codes, identity[leaf])
+    sent = place < len(codes)
+    sent[sent] &= codes[place[sent]] == identity[leaf[sent]]
+    leaf, place = leaf[sent], place[sent]
+    keys = ("rank", "step", "shape_a", "dtype_a")
+    worst: dict[tuple, tuple[float, bool]] = {}
+    for row, at in zip(leaf.tolist(), place.tolist()):
+        key = tuple(rows[k][row] for k in keys)
+        total, fails = worst.get(key, (0.0, False))
+        worst[key] = (max(total, weighted[at]), fails or bool(any_fails[at]))
+    bound, readers_fail = np.full(n, np.nan), np.zeros(n, bool)
+    norm = rows["norm_a"].astype(np.float64)
+    for row in np.flatnonzero(gradients).tolist():
+        found = worst.get(tuple(rows[k][row] for k in keys))
+        if found is not None:
+            bound[row] = found[0] / norm[row] if norm[row] > 0 else (np.inf if found[0] > 0 else 0.0)
+            readers_fail[row] = found[1]
+    return bound, readers_fail
+
+
+def _sent_back(rows: Table, identity: np.ndarray, error: np.ndarray,
+               failing: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per tensor read in forward (its identity code, sorted): Σ e_i ‖g_i‖ over the gradients its
+    readers sent back, and whether one of them fails. A module and the calls inside it read the
+    same tensor, and autograd sums only what the innermost sent: the API calls' where there are
+    any, else the modules' of the longest path."""
+    direction, role, arg = rows["direction"], rows["role"], rows["arg_index"]
+    names = (rows["rank"], rows["step"], rows["name"])
     readers = np.flatnonzero((direction == "forward") & (role == "input") & (identity >= 0))
     readers = readers[_innermost_readers(rows, identity, readers)]
     sent = np.flatnonzero((direction == "backward") & (role == "grad_input"))
@@ -84,8 +149,19 @@ def gradient_sources(rows: Table, identity: np.ndarray, error: np.ndarray,
     codes, inverse = np.unique(identity[readers], return_inverse=True)
     with np.errstate(invalid="ignore"):
         amounts = np.where(norm[sent] > 0, error[sent] * norm[sent], 0.0)
-    weighted = np.bincount(inverse, np.nan_to_num(amounts, nan=0.0, posinf=np.inf), len(codes))
+    # a gradient sent back that was not measured (one side only) leaves the sum's bound unknown (NaN)
+    weighted = np.bincount(inverse, amounts, len(codes))
     any_fails = np.bincount(inverse, failing[sent], len(codes)) > 0
+    return codes, weighted, any_fails
+
+
+def _sum_bounds(rows: Table, tensor: np.ndarray, codes: np.ndarray, weighted: np.ndarray,
+                any_fails: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row holding the gradient of `tensor` (an identity code, -1: none): Σ e_i ‖g_i‖ / ‖g‖ and
+    whether a reader's gradient fails (NaN, False where no reader sent one back)."""
+    n = len(rows)
+    bound, readers_fail = np.full(n, np.nan), np.zeros(n, bool)
+    norm = rows["norm_a"].astype(np.float64)
     place = np.searchsorted(codes, tensor)
     known = (tensor >= 0) & (place < len(codes))
     known[known] &= codes[place[known]] == tensor[known]

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pi0align.compare.judging.bounds import MARGIN, noise_floor
+from pi0align.compare.judging.bounds import MARGIN, noise_floor, rounding_scale
 from pi0align.compare.judging.modules import innermost, is_module
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.table import Groups, Table, isin
@@ -64,13 +64,15 @@ def replay_floor(unit: np.ndarray) -> np.ndarray:
     return noise_floor(unit)
 
 
-def wrong_sides(e_a: np.ndarray, e_b: np.ndarray, u_a: np.ndarray, u_b: np.ndarray):
+def wrong_sides(e_a: np.ndarray, e_b: np.ndarray, u_a: np.ndarray, u_b: np.ndarray, scale: np.ndarray = 1.0):
     """(B wrong, A wrong, the wrong side's local error over the other's, floored) from both sides'
-    local errors and their results' unit roundoffs."""
+    local errors and their results' unit roundoffs; `scale`: how much the call's own rounding grows
+    (bounds.rounding_scale: a sum's whose terms cancel)."""
+    floor_a, floor_b = replay_floor(u_a) * scale, replay_floor(u_b) * scale
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        b_wrong = e_b > replay_ratio_limit(u_b) * e_a + replay_floor(u_b)
-        a_wrong = (e_a > replay_ratio_limit(u_a) * e_b + replay_floor(u_a)) & ~b_wrong
-        ratio = np.where(b_wrong, e_b / np.maximum(e_a, replay_floor(u_b)), e_a / np.maximum(e_b, replay_floor(u_a)))
+        b_wrong = e_b > replay_ratio_limit(u_b) * e_a + floor_b
+        a_wrong = (e_a > replay_ratio_limit(u_a) * e_b + floor_a) & ~b_wrong
+        ratio = np.where(b_wrong, e_b / np.maximum(e_a, floor_b), e_a / np.maximum(e_b, floor_a))
     return b_wrong, a_wrong, ratio
 
 
@@ -109,7 +111,8 @@ def judge(calls: Table, fallback: str, exact: bool = False) -> Judgement:
     e_a, e_b = calls["local_error_a"].astype(np.float64), calls["local_error_b"].astype(np.float64)
     u_a, u_b = calls["unit_a"].astype(np.float64), calls["unit_b"].astype(np.float64)
     replayed = ~np.isnan(e_a) & ~np.isnan(e_b)
-    b_wrong, a_wrong, local_ratio = wrong_sides(e_a, e_b, u_a, u_b)
+    b_wrong, a_wrong, local_ratio = wrong_sides(e_a, e_b, u_a, u_b,
+                                                rounding_scale(calls["condition"], calls["condition_rule"]))
     b_wrong &= replayed
     a_wrong &= replayed
     module = is_module(calls)

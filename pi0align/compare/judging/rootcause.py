@@ -5,7 +5,9 @@ that judge.py finds guilty.
 Error propagates, so once one call diverges every later call does too: a call introduces error
 when more error leaves it than its inputs, through its condition, and its own rounding explain.
 Calls are searched in execution order: a step's parameters, its data, its forward calls, its
-backward calls (in the order autograd ran them), the parameters' gradients, its optimizer update.
+backward calls (in the order autograd ran them), the parameters' gradients, the API calls after
+its backward (`update`: clipping and the optimizer's arithmetic, as msprobe records them), its
+optimizer update.
 
 Not every call is an API's: each has a kind (`kinds`). A parameter's record at a step is a call whose
 input is the optimizer's update of it at the step before; where that update was not recorded (no
@@ -24,15 +26,19 @@ from collections.abc import Callable
 import numpy as np
 
 from pi0align.compare.judging.bounds import (
+    SUMMING_RULES,
     conditions,
     dimensions,
+    explained_error,
     introduced,
+    invariant_errors,
     noise_floor,
     reduction_condition,
+    rounding_scale,
     step_bounds,
 )
-from pi0align.compare.judging.identity import RESULT_ROLES, gradient_sources, produced
-from pi0align.compare.judging.judge import Judgement
+from pi0align.compare.judging.identity import RESULT_ROLES, gradient_sources, produced, requires_grad
+from pi0align.compare.judging.judge import Judgement, replay_floor, replay_ratio_limit
 from pi0align.compare.judging.modules import enclosing_modules, holds_calls
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, dtype_class, looser_classes
 from pi0align.compare.reading.records import INPUT_ROLES, OUTPUT_ROLES, subjects
@@ -41,13 +47,17 @@ from pi0align.compare.table import Groups, Table, gather, isin, lookup
 
 STATS_ERRORS = ["norm_rel_err", "mean_val_rel_err", "min_rel_err", "max_val_rel_err"]
 MAX_CULPRITS = 100
+CLEARLY_MORE = 10.0  # a later culprit ranks above an earlier one when its blame is this many times more
 # kind of culprit by the direction of its call ("parameter": initial_weights or parameters)
-KIND_OF_DIRECTION = {"forward": "call", "backward": "call", "optimizer": "optimizer", "data": "data",
-                     "gradient": "gradient"}
-# a step's parts in execution order ("gradient": the parameters' gradients autograd accumulated)
-PHASES = ("parameter", "data", "forward", "backward", "gradient", "optimizer")
+KIND_OF_DIRECTION = {"forward": "call", "backward": "call", "update": "call", "optimizer": "optimizer",
+                     "data": "data", "gradient": "gradient"}
+# a step's parts in execution order ("gradient": the parameters' gradients autograd accumulated;
+# "update": API calls after the backward, such as clipping and the optimizer's arithmetic as
+# msprobe records them)
+PHASES = ("parameter", "data", "forward", "backward", "gradient", "update", "optimizer")
 CALL_COLUMNS = ["rank", "step", "direction", "kind", "seq_a", "name", "module", "api", "input_error", "output_error",
-                "inputs_pass", "outputs_fail", "introduced_error", "condition", "floor", "metric",
+                "inputs_pass", "outputs_fail", "introduced_error", "condition", "condition_rule", "invariant_error",
+                "unit", "floor", "metric",
                 "local_error_a", "local_error_b", "unit_a", "unit_b", "replay", "args_differ", "inputs_identical",
                 "outputs_differ", "inside_error", "with_calls_inside", "sourced", "previous_step", "step_bound",
                 "parameter_error"]
@@ -105,7 +115,7 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
         "rank": judged["rank"][first], "step": judged["step"][first], "direction": direction[first],
         "seq_a": seq_a[first], "name": judged["name"][first], "module": judged["module"][first],
         "api": judged["api"][first],
-        "input_error": groups.max(np.where(is_in, np.where(np.isnan(error), 0.0, error), 0.0)),
+        "input_error": groups.max(np.where(is_in, _input_errors(judged, error, metric, identical, roundoff), 0.0)),
         "output_error": groups.max(np.where(is_out, np.where(np.isnan(error), 0.0, error), -np.inf)),
         "inputs_fail": groups.any(is_in & fail), "outputs_fail": groups.any(is_out & fail),
         "unit": groups.max(np.where(is_out, roundoff, 0.0)),
@@ -122,8 +132,8 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
         "inputs_identical": ~groups.any(is_in & ~identical),
         "outputs_differ": groups.any(is_out & ~identical),
     })
-    calls["floor"] = noise_floor(calls["unit"])
-    calls["condition"] = conditions(calls, judged, groups.codes)
+    calls["condition"], calls["condition_rule"] = conditions(calls, judged, groups.codes)
+    calls["invariant_error"] = invariant_errors(calls, judged, groups.codes)
     calls["sourced"] = np.ones(len(calls), bool)  # False: what made its input is not known
     calls["previous_step"] = np.full(len(calls), -1, np.int64)
     first_step = int(rows["step"].min()) if len(rows) else 0
@@ -135,17 +145,34 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     call_of_row = np.full(len(rows), -1, np.int64)
     call_of_row[use] = groups.codes
     parent = enclosing_modules(calls)
-    _add_inside_errors(calls, rows, call_of_row, producer, parent, identity, error_rows, failing_rows)
-    calls = Table.concat([calls, _batch_stand_ins(calls, rows, call_of_row, producer, parent, error_rows,
+    model_inputs = _model_inputs(calls, rows, call_of_row, producer, parent, identity)
+    # the batch entered no module from an undumped call: it is data, not the module's
+    _add_inside_errors(calls, rows, call_of_row, producer, parent, identity, error_rows, failing_rows & ~model_inputs)
+    calls = Table.concat([calls, _batch_stand_ins(calls, rows, call_of_row, model_inputs, error_rows,
                                                   failing_rows, metric_rows)])
     calls = calls.take(calls["output_error"] > -np.inf)  # calls with no judged output introduce nothing
     calls["kind"] = kinds(calls, first_step)
     calls["inputs_pass"] = ~calls["inputs_fail"]
-    calls["introduced_error"] = np.where(
-        calls["with_calls_inside"],
-        introduced(calls["inside_error"], calls["input_error"], calls["condition"], calls["floor"]),
-        introduced(calls["output_error"], calls["input_error"], calls["condition"], calls["floor"]))
+    calls["floor"] = noise_floor(calls["unit"]) * rounding_scale(calls["condition"], calls["condition_rule"])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        calls["introduced_error"] = np.fmax(np.where(
+            calls["with_calls_inside"],
+            introduced(calls["inside_error"], calls["input_error"], calls["condition"], calls["floor"]),
+            introduced(calls["output_error"], calls["input_error"], calls["condition"], calls["floor"])),
+            calls["invariant_error"] / calls["floor"])
     return calls.select(CALL_COLUMNS).take(np.lexsort((calls["rank"], calls["seq_a"], calls["step"])))
+
+
+def _input_errors(judged: Table, error: np.ndarray, metric: np.ndarray, identical: np.ndarray,
+                  roundoff: np.ndarray) -> np.ndarray:
+    """The error of each record as a call's input. Statistics bound a tensor's elementwise error
+    from below only: a floating record known to differ (its bits, or one of its statistics) may
+    differ by its dtype's rounding in any element, so its error is at least the noise floor."""
+    error = np.where(np.isnan(error), 0.0, error)
+    known = (judged["checksum_a"] != -1) & (judged["checksum_b"] != -1)
+    differs = (known & ~identical) | (error > 0)
+    floating = roundoff < UNIT_ROUNDOFF["integer"]
+    return np.where(differs & floating & (metric == "stats_rel_err"), np.maximum(error, noise_floor(roundoff)), error)
 
 
 def _units(dtypes: np.ndarray) -> np.ndarray:
@@ -250,6 +277,7 @@ def _add_gradient_sources(calls: Table, rows: Table, identity: np.ndarray, error
     calls["input_error"][unknown[found]] = calls["input_error"][module_call]
     calls["inputs_fail"][unknown[found]] = calls["inputs_fail"][module_call]
     calls["condition"][unknown[found]] = _reduction_conditions(calls, rows, unknown[found], module_call)
+    calls["condition_rule"][unknown[found]] = "gradient sum"
     calls["input_error"][unknown[~found]] = np.inf
     calls["sourced"][unknown[~found]] = False
 
@@ -350,17 +378,35 @@ def _add_inside_errors(calls: Table, rows: Table, call_of_row: np.ndarray, produ
             calls["inside_error"][module] = max(calls["inside_error"][module], error[row])
 
 
-def _batch_stand_ins(calls: Table, rows: Table, call_of_row: np.ndarray, producer: np.ndarray, parent: np.ndarray,
-                     error: np.ndarray, failing: np.ndarray, metric: np.ndarray) -> Table:
+def _model_inputs(calls: Table, rows: Table, call_of_row: np.ndarray, producer: np.ndarray, parent: np.ndarray,
+                  identity: np.ndarray) -> np.ndarray:
     """Where a step has no data records (msprobe's dumps; ours with the batch filtered out), the
-    model's inputs are the forward inputs that no dumped call produced, read by calls that no
-    module holds: one data call per such failing input, named after the call that read it
-    (`<call>/input <k>`), at that call's place."""
-    data_steps = set(zip(calls["rank"][calls["direction"] == "data"].tolist(),
-                         calls["step"][calls["direction"] == "data"].tolist()))
-    read = (rows["direction"] == "forward") & (rows["role"] == "input") & (call_of_row >= 0) & failing & (producer < 0)
-    rows_of = [r for r in np.flatnonzero(read).tolist() if parent[call_of_row[r]] < 0
-               and (int(rows["rank"][r]), int(rows["step"][r])) not in data_steps]
+    rows that stand for the batch: forward inputs that no dumped call, parameter or batch record
+    produced, that require no gradient where the dump says (msprobe's do: weights and activations
+    do), else read by calls that no module holds; of each such tensor, its first reader's row."""
+    data = calls["direction"] == "data"
+    grad = requires_grad(rows)
+    read = (rows["direction"] == "forward") & (rows["role"] == "input") & (call_of_row >= 0) & (producer < 0)
+    read &= np.where(grad >= 0, grad == 0, gather(parent, call_of_row, 0) < 0)
+    read &= lookup([rows["rank"], rows["step"]], [calls["rank"][data], calls["step"][data]]) < 0
+    first = np.zeros(len(rows), bool)
+    candidates = np.flatnonzero(read)
+    order = candidates[np.lexsort((rows["seq_a"][candidates].astype(np.float64), rows["step"][candidates],
+                                   rows["rank"][candidates]))]
+    seen: set[tuple[int, int, int]] = set()
+    for row in order.tolist():
+        tensor = (int(rows["rank"][row]), int(rows["step"][row]), int(identity[row]))
+        if identity[row] < 0 or tensor not in seen:
+            first[row] = True
+            seen.add(tensor)
+    return first
+
+
+def _batch_stand_ins(calls: Table, rows: Table, call_of_row: np.ndarray, model_inputs: np.ndarray,
+                     error: np.ndarray, failing: np.ndarray, metric: np.ndarray) -> Table:
+    """One data call per failing row of the model's inputs (`_model_inputs`), named after the call
+    that read it (`<call>/input <k>`), at that call's place."""
+    rows_of = np.flatnonzero(model_inputs & failing).tolist()
     stand_ins = calls.take(call_of_row[rows_of])
     n = len(rows_of)
     stand_ins["direction"] = np.full(n, "data", object)
@@ -370,6 +416,7 @@ def _batch_stand_ins(calls: Table, rows: Table, call_of_row: np.ndarray, produce
     for column, value in (("input_error", 0.0), ("inputs_fail", False), ("outputs_fail", True),
                           ("inputs_identical", True), ("outputs_differ", True), ("args_differ", False),
                           ("inside_error", 0.0), ("with_calls_inside", False), ("condition", 1.0),
+                          ("condition_rule", ""), ("invariant_error", 0.0),
                           ("local_error_a", np.nan), ("local_error_b", np.nan), ("replay", "")):
         stand_ins[column] = np.full(n, value, dtype=object if isinstance(value, str) else None)
     return stand_ins
@@ -387,14 +434,20 @@ def first_divergence(calls: Table, guilty: np.ndarray, stack_of: Callable[[int, 
 
 
 def culprit_order(calls: Table, judgement: Judgement) -> np.ndarray:
-    """The culprits' rows of `calls`, earliest step first, then by the step's phase, most blame first."""
+    """The culprits' rows of `calls`: earliest step first (later steps inherit an earlier step's
+    error through the weights), then where the error starts, in execution order (the step's phase:
+    forward before backward, as a faulty kernel's backward inherits its forward's fault; then
+    sequence), except that a culprit whose blame is CLEARLY_MORE times an earlier one's or more
+    ranks above it (blame counted in whole powers of CLEARLY_MORE, the largest first)."""
     guilty = np.flatnonzero(judgement.culprit)
-    return guilty[np.lexsort((-judgement.blame[guilty], phases(calls["direction"][guilty]), calls["step"][guilty]))]
+    blame = np.nan_to_num(judgement.blame[guilty], nan=1.0, posinf=np.finfo(float).max)
+    power = np.floor(np.log(np.maximum(blame, 1.0)) / np.log(CLEARLY_MORE))
+    return guilty[np.lexsort((calls["seq_a"][guilty], phases(calls["direction"][guilty]), -power,
+                              calls["step"][guilty]))]
 
 
 def culprits(calls: Table, judgement: Judgement, stack_of: Callable[[int, int, int], list[str]]) -> list[Culprit]:
-    """The guilty calls, earliest step first, then by the step's phase (PHASES: forward before
-    backward, as a faulty kernel's backward inherits its forward's fault), most blame first."""
+    """The guilty calls in `culprit_order`, each with the bound it broke."""
     guilty = culprit_order(calls, judgement)[:MAX_CULPRITS]
     number = lambda column, i: float(calls[column][i])
     return [call_ref(calls, i, stack_of, Culprit, introduced_error=number("introduced_error", i),
@@ -402,7 +455,43 @@ def culprits(calls: Table, judgement: Judgement, stack_of: Callable[[int, int, i
                  metric=str(calls["metric"][i]), evidence=str(judgement.evidence[i]),
                  wrong_side=str(judgement.wrong_side[i]), local_error_a=number("local_error_a", i),
                  local_error_b=number("local_error_b", i), local_ratio=float(judgement.blame[i])
-                 if judgement.evidence[i] == "replay" else float("nan")) for i in guilty]
+                 if judgement.evidence[i] == "replay" else float("nan"),
+                 **dict(zip(("bound", "bound_by"), broken_bound(calls, i, judgement)))) for i in guilty]
+
+
+_DTYPE_OF_UNIT = {unit: name for name, unit in UNIT_ROUNDOFF.items() if name != "integer"}
+
+
+def broken_bound(calls: Table, i: int, judgement: Judgement) -> tuple[float, str]:
+    """The bound culprit i broke, and what that bound is: the error its inputs (through its API's
+    condition) and its rounding explain; under replay, the other side's local error; nothing where
+    it was asked something else or, bit for bit, handed the same inputs."""
+    evidence = judgement.evidence[i]
+    if evidence == "arguments":
+        return float("nan"), "its recorded arguments differ from the other side's"
+    if evidence == "exact":
+        return 0.0, "handed identical inputs (bit-comparable runs), its outputs differ"
+    if evidence == "replay":
+        wrong, other = ("b", "a") if judgement.wrong_side[i] == "B" else ("a", "b")
+        unit = float(calls[f"unit_{wrong}"][i])
+        floor = float(replay_floor(unit) * rounding_scale(calls["condition"][i], calls["condition_rule"][i]))
+        bound = float(replay_ratio_limit(unit) * calls[f"local_error_{other}"][i] + floor)
+        return bound, (f"{replay_ratio_limit(unit):g} × the other side's local error + "
+                       f"{floor / unit:.3g} u of {_DTYPE_OF_UNIT.get(unit, 'its dtype')}")
+    floor, unit = float(calls["floor"][i]), float(calls["unit"][i])
+    condition, rule = float(calls["condition"][i]), str(calls["condition_rule"][i])
+    if calls["with_calls_inside"][i]:
+        return floor, "what entered the module from no dumped call, within its rounding"
+    invariant = float(calls["invariant_error"][i])
+    bound = float(explained_error(calls["input_error"][i:i + 1], calls["condition"][i:i + 1],
+                                  calls["floor"][i:i + 1])[0])
+    rounding = f"{floor / unit:.3g} u of {_DTYPE_OF_UNIT.get(unit, 'its dtype')}" if unit else "rounding"
+    if invariant and invariant / floor >= float(calls["introduced_error"][i]):
+        return floor, f"rounding alone ({rounding}): the statistic its {rule} result keeps whatever its inputs"
+    if bound > floor:
+        return bound, f"its inputs' error × {condition:.3g}" + (f" ({rule}: docs/compare.md, Bounds)" if rule else "")
+    summed = f", × {condition:.3g} for a sum whose terms cancel" if rule in SUMMING_RULES and condition > 1 else ""
+    return floor, f"rounding ({rounding}{summed})"
 
 
 def call_ref(calls: Table, i: int, stack_of, cls=CallRef, **extra):

@@ -3,8 +3,11 @@
 
 msprobe names calls `<Prefix>.<api>.<k>.<forward|backward>` with one counter per API across the
 whole model, and modules `Module.<path>.<Class>.<forward|backward>.<k>`. We rename them to our
-`<module>/<api>#<k>` (k counted per module), taking the module from construct.json, so that both
-formats align the same way and an msprobe dump compares against one of ours.
+`<module>/<api>#<k>` (k counted per module), taking the module from construct.json (at level mix;
+msprobe writes no module scopes at L1), so that both formats align the same way and an msprobe
+dump compares against one of ours. msprobe records the API calls a step makes after its backward
+(gradient clipping, the optimizer's arithmetic) as forward calls: they get direction `update`, the
+phase they ran in (ours record that phase as the optimizer's updates instead).
 """
 
 from __future__ import annotations
@@ -256,8 +259,10 @@ class _StepRecords:
         counts = np.array(counts, np.int64)
         of_call = np.repeat(np.array(owners, np.int64), counts)
         arg_index = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)  # 0, 1, ... within a group
-        calls = [np.array(column, object) for column in zip(*self.calls)] if self.calls else [np.zeros(0, object)] * 6
-        call_ids, names, modules, apis, directions, sites = (column[of_call] for column in calls)
+        ids, names, modules, apis, directions, sites = ([np.array(column, object) for column in zip(*self.calls)]
+                                                        if self.calls else [np.zeros(0, object)] * 6)
+        call_ids, names, modules, apis, directions, sites = (
+            column[of_call] for column in (ids, names, modules, apis, _update_phase(directions), sites))
         shapes, numels = _shapes(list(map(_SHAPE, entries)))
         data_names = [entry.get("data_name") for entry in entries]  # tensor mode: the tensor's file
         return Table({
@@ -270,7 +275,21 @@ class _StepRecords:
             "tensor": np.array([str(tensor_dir / d) if d else "" for d in data_names], object),
             "sample_row": np.full(n, -1, np.int64), "sample_count": np.zeros(n, np.int64),
             "checksum": np.full(n, -1, np.int64),
+            "requires_grad": np.array([{True: 1, False: 0}.get(e.get("requires_grad"), -1) for e in entries],
+                                      np.int64),
         }, length=n)
+
+
+def _update_phase(directions: np.ndarray) -> np.ndarray:
+    """The calls' directions, with `update` for the forward calls after the step's last backward
+    call: what a step computes once its gradients are made (clipping, the optimizer's arithmetic)."""
+    backward = np.flatnonzero(directions == "backward")
+    if not len(backward):
+        return directions
+    directions = directions.copy()
+    later = np.arange(len(directions)) > backward[-1]
+    directions[later & (directions == "forward")] = "update"
+    return directions
 
 
 def _statistics(entries: list[dict]) -> np.ndarray:

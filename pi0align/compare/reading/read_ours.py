@@ -135,6 +135,7 @@ def _step_records(group: h5py.Group, step: int, rank: int, frames_of: dict[int, 
         records[c] = calls[c][of_call]
     records["sample_row"] = np.arange(len(records)) if "samples" in group else -1
     records["call"], records["step"], records["rank"] = records["call_id"], step, rank
+    records["requires_grad"] = np.full(len(records), -1, np.int64)  # not recorded: the batch has Data records
     site = {sid: call_site(frames) for sid, frames in frames_of.items()}
     records["stack"] = np.array([site.get(int(s), "") for s in calls["stack_id"]], object)[of_call]
     step_stacks = {(step, int(c)): frames_of.get(int(s), []) for c, s in zip(calls["call_id"], calls["stack_id"])}

@@ -20,6 +20,7 @@ RECORD_COLUMNS = [
     "rank", "step", "call", "seq", "name", "module", "api", "direction", "role", "arg_index",
     "dtype", "shape", "numel", "min", "max", "mean", "norm", "nan_count", "inf_count",
     "stack", "tensor", "sample_row", "sample_count", "checksum",  # checksum -1 when unknown
+    "requires_grad",  # 1 / 0, -1 when unknown (msprobe's dumps say; ours record the batch instead)
 ]
 
 _TEXT_COLUMNS = {"name", "module", "api", "direction", "role", "dtype", "shape", "stack", "tensor"}
