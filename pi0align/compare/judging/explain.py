@@ -26,7 +26,7 @@ from pi0align.compare.judging.identity import (
 )
 from pi0align.compare.judging.judge import Judgement
 from pi0align.compare.judging.modules import containing, enclosing_modules
-from pi0align.compare.judging.rootcause import call_directions, phases, row_error
+from pi0align.compare.judging.rootcause import call_directions, elementwise_errors, phases, row_error
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, looser_classes
 from pi0align.compare.result import CallRef
 from pi0align.compare.table import Table, gather, isin, lookup
@@ -68,6 +68,7 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
     open_ = (verdict == "fail") & _before_first(rows, calls, judgement)
     open_ &= ~rows_of(rows, calls, containing(calls, judgement.culprit))
     error, _ = row_error(rows)
+    sources = elementwise_errors(rows)  # what each record may carry into a sum it is a term of
     call = calls_of(rows, calls)
 
     def settle(mask: np.ndarray, rule) -> None:
@@ -84,8 +85,8 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
         return (verdict != "fail") | (labels != "")
 
     settle((producer >= 0) & gather(fine(), producer, False), "producer")
-    settle(_gradient_sums_within(rows, identity, error, verdict, fine()), "gradient_sum")
-    settle(_accumulated_within(rows, identity, producer, error, verdict, fine()), "gradient_sum")
+    settle(_gradient_sums_within(rows, identity, error, sources, verdict, fine()), "gradient_sum")
+    settle(_accumulated_within(rows, identity, producer, error, sources, verdict, fine()), "gradient_sum")
     settle(_clipped_within(rows, error, fine()), "clipping")
     settle(_states_within(rows, fine()), "producer")
     settle(_made_inside(rows, calls, call, judgement, producer), "module")
@@ -128,19 +129,20 @@ def _floors(rows: Table) -> np.ndarray:
     return noise_floor(np.array([UNIT_ROUNDOFF[c] if c else 0.0 for c in classes]))
 
 
-def _gradient_sums_within(rows: Table, identity: np.ndarray, error: np.ndarray, verdict: np.ndarray,
-                          fine: np.ndarray) -> np.ndarray:
+def _gradient_sums_within(rows: Table, identity: np.ndarray, error: np.ndarray, sources: np.ndarray,
+                          verdict: np.ndarray, fine: np.ndarray) -> np.ndarray:
     """Incoming gradients (`grad_output`) within MARGIN × the bound of the sum of what their
-    tensor's readers sent back (identity.py), every one of those explained."""
+    tensor's readers sent back (identity.py; each term's error from `sources`,
+    rootcause.elementwise_errors), every one of those explained."""
     failing_unexplained = (verdict == "fail") & ~fine
-    bound, readers_fail = gradient_sources(rows, identity, error, failing_unexplained)
+    bound, readers_fail = gradient_sources(rows, identity, sources, failing_unexplained)
     gradient = (rows["direction"] == "backward") & (rows["role"] == "grad_output")
     with np.errstate(invalid="ignore"):
         return gradient & ~readers_fail & (error <= MARGIN * np.maximum(bound, _floors(rows)))
 
 
 def _accumulated_within(rows: Table, identity: np.ndarray, producer: np.ndarray, error: np.ndarray,
-                        verdict: np.ndarray, fine: np.ndarray) -> np.ndarray:
+                        sources: np.ndarray, verdict: np.ndarray, fine: np.ndarray) -> np.ndarray:
     """Gradients the step's update reads that no dumped call produced, where no parameter
     gradient was recorded (msprobe's `update` calls): within MARGIN × the bound of the sum the
     readers of a tensor of their shape that requires a gradient sent back
@@ -151,8 +153,8 @@ def _accumulated_within(rows: Table, identity: np.ndarray, producer: np.ndarray,
     # tensors read in forward that require a gradient (statistics may tell a parameter from the
     # same values elsewhere no better: every zero bias has the same statistics)
     leaves = (rows["direction"] == "forward") & (rows["role"] == "input") & (requires_grad(rows) == 1)
-    bound, readers_fail = accumulated_gradient_sources(rows, identity, error, (verdict == "fail") & ~fine, gradients,
-                                                       leaves)
+    bound, readers_fail = accumulated_gradient_sources(rows, identity, sources, (verdict == "fail") & ~fine,
+                                                       gradients, leaves)
     with np.errstate(invalid="ignore"):
         return gradients & ~readers_fail & (error <= MARGIN * np.maximum(bound, _floors(rows)))
 

@@ -99,6 +99,7 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     `producer`: the record that produced each record's tensor (`producers`)."""
     failing_rows = (verdict == "fail") & ~rounding
     error_rows, metric_rows = row_error(rows)
+    sources = np.where(rounding, np.nan, elementwise_errors(rows))  # rounding noise enters no call
     error_rows[rounding] = np.nan  # noise that no call made: it neither enters nor leaves a call
     use = np.flatnonzero(judged_records(verdict, rows))
     judged = rows.take(use)
@@ -115,7 +116,7 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
         "rank": judged["rank"][first], "step": judged["step"][first], "direction": direction[first],
         "seq_a": seq_a[first], "name": judged["name"][first], "module": judged["module"][first],
         "api": judged["api"][first],
-        "input_error": groups.max(np.where(is_in, _input_errors(judged, error, metric, identical, roundoff), 0.0)),
+        "input_error": groups.max(np.where(is_in & ~np.isnan(sources[use]), sources[use], 0.0)),
         "output_error": groups.max(np.where(is_out, np.where(np.isnan(error), 0.0, error), -np.inf)),
         "inputs_fail": groups.any(is_in & fail), "outputs_fail": groups.any(is_out & fail),
         "unit": groups.max(np.where(is_out, roundoff, 0.0)),
@@ -141,7 +142,7 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     _add_parameter_sources(calls)
     calls["step_bound"], calls["parameter_error"] = step_bounds(calls, judged, groups.codes, error)
     _add_saved_tensors(calls)
-    _add_gradient_sources(calls, rows, identity, error_rows, failing_rows)
+    _add_gradient_sources(calls, rows, identity, sources, failing_rows)
     call_of_row = np.full(len(rows), -1, np.int64)
     call_of_row[use] = groups.codes
     parent = enclosing_modules(calls)
@@ -163,16 +164,24 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     return calls.select(CALL_COLUMNS).take(np.lexsort((calls["rank"], calls["seq_a"], calls["step"])))
 
 
-def _input_errors(judged: Table, error: np.ndarray, metric: np.ndarray, identical: np.ndarray,
-                  roundoff: np.ndarray) -> np.ndarray:
-    """The error of each record as a call's input. Statistics bound a tensor's elementwise error
-    from below only: a floating record known to differ (its bits, or one of its statistics) may
-    differ by its dtype's rounding in any element, so its error is at least the noise floor."""
-    error = np.where(np.isnan(error), 0.0, error)
-    known = (judged["checksum_a"] != -1) & (judged["checksum_b"] != -1)
-    differs = (known & ~identical) | (error > 0)
-    floating = roundoff < UNIT_ROUNDOFF["integer"]
-    return np.where(differs & floating & (metric == "stats_rel_err"), np.maximum(error, noise_floor(roundoff)), error)
+def elementwise_errors(rows: Table) -> np.ndarray:
+    """The error each record may carry in its elements, as a source of error in a bound (a call's
+    input, a term of a gradient's sum): its measured error (row_error; NaN where not measured). Statistics
+    bound a tensor's elementwise error from below only: a floating record judged by them and known
+    to differ (its bits, or one of its statistics) may differ in any element by the rounding of the
+    precision its step computes in (the coarsest floating dtype of its step's records: float32
+    values computed from bfloat16 ones carry bfloat16's differences), so at least that noise floor."""
+    error, metric = row_error(rows)
+    classes = looser_classes(rows["dtype_a"], rows["dtype_b"]).tolist()
+    roundoff = np.array([UNIT_ROUNDOFF.get(c, np.inf) for c in classes])
+    floating = roundoff < UNIT_ROUNDOFF["integer"]  # no dtype (one side only): none
+    step = Groups(rows["rank"], rows["step"])
+    coarsest = step.max(np.where(floating, roundoff, 0.0))[step.codes]
+    known = (rows["checksum_a"] != -1) & (rows["checksum_b"] != -1)
+    with np.errstate(invalid="ignore"):
+        differs = (known & ~rows["identical"].astype(bool)) | (error > 0)
+    floored = differs & floating & (metric == "stats_rel_err") & ~np.isnan(error)
+    return np.where(floored, np.maximum(error, noise_floor(coarsest)), error)
 
 
 def _units(dtypes: np.ndarray) -> np.ndarray:
