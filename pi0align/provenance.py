@@ -7,6 +7,7 @@ Shared by the training manifest and the dumper's (which also serves users' own t
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -32,6 +33,7 @@ def environment(device: Device, rank: int, world_size: int) -> dict:
         "device_count": device.count(),
         "world_size": world_size,
         "rank": rank,
+        "host": platform.node(),
         "versions": versions(),
         "numerics": numerics(),
     }
@@ -43,9 +45,17 @@ def versions() -> dict[str, str | None]:
     return {"python": platform.python_version(), "pi0align": __version__, "cann": cann_version(), **found}
 
 
+# environment variables that change numerics: cuBLAS's deterministic workspace, HCCL's
+# deterministic reductions, NVIDIA's TF32 override, the CPU threads and Python's hash seed
+NUMERICS_VARIABLES = ("CUBLAS_WORKSPACE_CONFIG", "HCCL_DETERMINISTIC", "NVIDIA_TF32_OVERRIDE", "OMP_NUM_THREADS",
+                      "PYTHONHASHSEED")
+
+
 def numerics() -> dict[str, object]:
     """The switches that change numerics: CPU threads, TF32 (NVIDIA), HF32 (Ascend), the float32
-    matmul precision, deterministic algorithms. None where the backend is absent."""
+    matmul precision, deterministic algorithms, the environment variables among NUMERICS_VARIABLES
+    (None where unset), and autocast per device type (its dtype, or "off"). None where the
+    backend is absent."""
     npu = getattr(torch, "npu", None)
     return {
         "threads": torch.get_num_threads(),  # CPU reductions split by thread: another count, other rounding
@@ -56,7 +66,18 @@ def numerics() -> dict[str, object]:
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "npu_matmul_allow_hf32": _flag(npu, "matmul"),
         "npu_conv_allow_hf32": _flag(npu, "conv"),
+        "environment": {name: os.environ.get(name) for name in NUMERICS_VARIABLES},
+        # autocast where the manifest is made (a user's loop may dump inside a region): its dtype, or "off"
+        "autocast": {kind: str(torch.get_autocast_dtype(kind)).removeprefix("torch.") if _autocast_on(kind)
+                     else "off" for kind in ("cpu", "cuda", "npu")},
     }
+
+
+def _autocast_on(kind: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(kind)
+    except RuntimeError:  # a device type this torch does not know
+        return False
 
 
 def _flag(npu, kind: str) -> bool | None:

@@ -85,3 +85,24 @@ def require_native():
     if isinstance(loaded, str):
         pytest.skip(f"the native dump backend cannot be built here: {loaded}")
     return loaded
+
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's (scripts/install.sh test): playwright must not download one
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--disable-quic"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium through playwright; skipped where it is missing, except in CI."""
+    if not Path(CHROMIUM).exists():
+        message = f"{CHROMIUM} is missing: apt-get install -y chromium"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()

@@ -10,7 +10,7 @@ import sys
 import pandas as pd
 import pytest
 from conftest import assert_one_line_error, run_cli
-from test_report_html import browser, column_texts  # noqa: F401  (browser is a fixture)
+from test_report_html import column_texts
 
 from pi0align.cli.main import main
 from pi0align.testing.dumpfactory import Fault, run_toy_model, write_dump

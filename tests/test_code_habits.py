@@ -1,8 +1,9 @@
 """The code's habits, checked with the tests (so `.ci/run` checks them): ruff finds nothing (its
 configuration in pyproject.toml), and the parts' layering of ../shared/DESIGN.md holds, read from
 the sources: a part imports only the parts above it in the table (anywhere in a module, deferred
-imports included), `dump` knows nothing of `pi0` and `train`, and `compare` and `report` import no
-torch when they are imported; native code lives in `.cpp` files, not Python strings."""
+imports included), `dump` knows nothing of `pi0` and `train`, `runs` nothing of `dump`, and
+`compare`, `runs` and `report` import no torch when they are imported; native code lives in `.cpp`
+files, not Python strings."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from conftest import REPO
 PACKAGE = Path(__file__).resolve().parent.parent / "pi0align"
 # DESIGN.md's table, top to bottom: a part may import the parts of its row and the rows above.
 LAYERS = [("errors", "cache", "native"), ("device",), ("seed", "provenance"), ("pi0",), ("train",), ("dump",),
-          ("replay",), ("compare",), ("report",), ("cli",)]
+          ("replay",), ("compare",), ("runs",), ("report",), ("cli",)]
 RANK = {part: i for i, row in enumerate(LAYERS) for part in row}
-KNOWS_NOTHING_OF = {"dump": {"pi0", "train"}, "compare": {"dump.capture", "dump.dumper"}}
-TORCH_FREE = ("compare", "report")
-OUTSIDE_THE_TABLE = {"__init__", "__main__", "testing"}  # the package's face, and what tests and benches share
+KNOWS_NOTHING_OF = {"dump": {"pi0", "train"}, "compare": {"dump.capture", "dump.dumper"}, "runs": {"dump"}}
+TORCH_FREE = ("compare", "runs", "report")
+# the package's face (`pi0align.curves` names runs.curves' loader), and what tests and benches share
+OUTSIDE_THE_TABLE = {"__init__", "__main__", "curves", "testing"}
 
 
 def _part(module: str) -> str:

@@ -154,7 +154,7 @@ def test_every_config_field_is_a_run_flag_that_reaches_the_config():
     import dataclasses
     from pathlib import Path
 
-    from pi0align.cli.run import add_arguments, config_from_args
+    from pi0align.cli.run import add_arguments, start_from_args
     from pi0align.train.config import TrainConfig
 
     parser = argparse.ArgumentParser()
@@ -162,11 +162,11 @@ def test_every_config_field_is_a_run_flag_that_reaches_the_config():
     assert {f.name for f in dataclasses.fields(TrainConfig)} <= {action.dest for action in parser._actions}
     given = ["--batch-size", "3", "--no-deterministic", "--dataset", "/data/koch", "--lr", "0.5", "--preset", "tiny",
              "--keep-dropout", "--dump-backend", "torch"]
-    config, resume_from = config_from_args(parser.parse_args(given))
-    assert resume_from is None
-    assert config == TrainConfig(batch_size=3, deterministic=False, dataset=Path("/data/koch"), lr=0.5, preset="tiny",
-                                 rm_dropout=False)
-    assert config_from_args(parser.parse_args([]))[0] == TrainConfig()
+    start = start_from_args(parser.parse_args(given))
+    assert start.resume_from is None and start.started_from is None
+    assert start.config == TrainConfig(batch_size=3, deterministic=False, dataset=Path("/data/koch"), lr=0.5,
+                                       preset="tiny", rm_dropout=False)
+    assert start_from_args(parser.parse_args([])).config == TrainConfig()
     assert_one_line_error(run_cli("run", *TINY, "--dump-steps", "0", "--dump-backend", "gpu"), "--dump-backend")
 
 
@@ -193,29 +193,3 @@ def test_dataset_without_data_files_ends_with_one_line(tmp_path):
     for parquet in (root / "data").rglob("*.parquet"):
         parquet.write_bytes(b"garbage")
     assert_one_line_error(run_cli("run", *TINY, "--steps", "1", "--dataset", root), "cannot load the dataset")
-
-
-def test_loss_curve_notebook_plots_the_runs_side_by_side(seeded_runs):
-    """The notebook in notebooks/ runs top to bottom (real kernel) on real run folders."""
-    import os
-
-    import nbformat
-    from nbclient import NotebookClient
-
-    notebook = nbformat.read(REPO / "notebooks" / "loss_curves.ipynb", as_version=4)
-    runs_glob = str(seeded_runs["first"][0].parent / "*")
-    os.environ["PI0ALIGN_RUNS"] = runs_glob
-    try:
-        NotebookClient(notebook, timeout=300, kernel_name="python3",
-                       resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()
-    finally:
-        del os.environ["PI0ALIGN_RUNS"]
-    outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
-    text = "".join(output.get("text", "") for output in outputs)
-    assert "3 run(s) matched" in text
-    summary_html = next(o["data"]["text/html"] for o in outputs if "text/html" in o.get("data", {}))
-    assert "seed 99" in summary_html and "seed 1234" in summary_html
-    figure = next(o["data"]["application/vnd.plotly.v1+json"] for o in outputs
-                  if "application/vnd.plotly.v1+json" in o.get("data", {}))
-    assert len(figure["data"]) == 12  # 3 runs x (loss, grad norm, lr, difference)
-    assert figure["data"][0]["y"]  # the loss curve has points

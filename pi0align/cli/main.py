@@ -20,7 +20,9 @@ step, in which call and on which side two runs part."""
 EXAMPLES = """\
 examples:
   pi0align run --preset tiny --steps 20 --dump-steps 0,10
+  pi0align env-diff dumps/gpu dumps/npu
   pi0align compare dumps/gpu dumps/npu
+  pi0align curves dumps/gpu dumps/npu --html reports/curves.html
   pi0align replay dumps/gpu 'model.layers.1.mlp/Functional.gelu#0' \\
       --against dumps/npu
 
@@ -32,6 +34,10 @@ COMMANDS = {
     "prepare": ("pi0align.cli.prepare", "fetch or check the weights, tokenizer and dataset a real run needs"),
     "compare": ("pi0align.cli.compare", "align two dumps, measure, judge and name the call that introduced the error"),
     "replay": ("pi0align.cli.replay", "replay one dumped call in float64 and print each side's local error"),
+    "env-diff": ("pi0align.cli.env_diff", "are two runs set up alike: versions, switches, config, weights, data"),
+    "curves": ("pi0align.cli.curves", "loss curves of runs side by side, and where they part"),
+    "check": ("pi0align.cli.check", "a run against a baseline's curve, final loss and throughput"),
+    "doctor": ("pi0align.cli.doctor", "this machine against the supported versions and switches"),
 }
 
 

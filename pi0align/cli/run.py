@@ -34,6 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sections["run"].add_argument("--resume", type=Path, default=None, metavar="DIR",
                                  help="continue a run from its folder or one of its checkpoints; its config is "
                                       "reused (--steps and --no-progress apply)")
+    sections["run"].add_argument("--from", dest="from_run", type=Path, default=None, metavar="RUN",
+                                 help="start from another run's checkpoint at --at: its config, weights, optimizer, "
+                                      "scheduler, RNG states and batch order, on this run's --device and --threads; "
+                                      "--steps counts the steps to run (default 1)")
+    sections["run"].add_argument("--at", type=int, default=None, metavar="STEP",
+                                 help="with --from: the step to start at (RUN's checkpoints/STEP, saved after STEP "
+                                      "steps: run RUN with --save-every)")
     dump = parser.add_argument_group("dump")
     dump.add_argument("--dump-steps", type=parse_steps, default=None, metavar="0,10",
                       help="steps to dump (0-based), e.g. 0,10 or 0-3; none by default")
@@ -49,18 +56,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "up to N ulps at random (seeded by --seed); not a run to keep")
 
 
-def config_from_args(args):
-    from pi0align.train import checkpoint
-    from pi0align.train.config import TrainConfig
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """How a run starts: its config, the checkpoint of its own it resumes, another run's it starts
+    from, and the step it stops at (None: the config's steps)."""
 
+    config: object
+    resume_from: Path | None = None
+    started_from: Path | None = None
+    stop_step: int | None = None
+
+
+# what a run started --from another may set: where and how it runs, not what it computes
+_FROM_FIELDS = ("device", "threads", "out", "progress", "log_every", "num_workers")
+
+
+def start_from_args(args) -> Start:
+    from pi0align.train import checkpoint
+    from pi0align.train.config import TrainConfig, flag_name
+
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+             if getattr(args, f.name) is not None and not (f.metadata["negation"] and getattr(args, f.name))}
+    if args.from_run is not None:
+        if args.resume is not None:
+            raise UserError("--from starts a new run from another's checkpoint, --resume continues one: not both")
+        if args.at is None:
+            raise UserError("--from needs --at STEP: the step of the other run to start at")
+        source = checkpoint.checkpoint_dir(args.from_run, args.at)
+        if not (source / checkpoint.TRAINING_STATE).is_file():
+            raise UserError(f"{args.from_run} has no checkpoint after {args.at} steps ({source}): run it with "
+                            f"--save-every so that one is saved there")
+        config = checkpoint.load_config(source)
+        fixed = [name for name in given if name not in (*_FROM_FIELDS, "steps")]
+        if fixed:
+            raise UserError(f"--from runs {args.from_run}'s configuration: --{flag_name(fixed[0])} cannot change it "
+                            f"(only {', '.join('--' + flag_name(n) for n in _FROM_FIELDS)} can)")
+        stop = args.at + (args.steps or 1)
+        if stop > config.steps:
+            raise UserError(f"{args.from_run} ran {config.steps} steps: --at {args.at} with --steps {args.steps or 1} "
+                            f"runs past them")
+        config = dataclasses.replace(config, **{"out": None, **{name: given[name] for name in _FROM_FIELDS
+                                                                if name in given}})
+        return Start(config, started_from=source, stop_step=stop)
+    if args.at is not None:
+        raise UserError("--at is the step of another run to start at: it goes with --from")
     if args.resume is not None:
         resume_from = checkpoint.resolve(args.resume)
         config = checkpoint.load_config(resume_from)
         steps = args.steps if args.steps is not None else config.steps
         config = dataclasses.replace(config, out=resume_from.parent.parent, steps=steps, progress=args.progress)
-        return config, resume_from
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**{name: value for name, value in given.items() if value is not None}), None
+        return Start(config, resume_from=resume_from)
+    return Start(TrainConfig(**given))
 
 
 def make_dumper(args, out: Path, seed: int):
@@ -83,7 +129,8 @@ def main(args) -> int:
     from pi0align.train.loop import default_out_dir
 
     # the flags are checked before the slow imports below: a bad one fails at once
-    config, resume_from = config_from_args(args)
+    start = start_from_args(args)
+    config = start.config
     config.out = Path(config.out or default_out_dir(config))
     dumper = make_dumper(args, config.out, config.seed)
 
@@ -95,7 +142,8 @@ def main(args) -> int:
 
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
-    summary = train(config, dumper=dumper, resume_from=resume_from)
+    summary = train(config, dumper=dumper, resume_from=start.resume_from, started_from=start.started_from,
+                    stop_step=start.stop_step)
     for line in summary_lines(summary):
         print(line)
     print(f"run folder: {summary['out']}")

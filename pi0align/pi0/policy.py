@@ -44,9 +44,23 @@ def build_policy(preset_name: str, input_features: dict, output_features: dict, 
     config = make_config(preset, input_features, output_features, device=device, dtype=dtype, lr=lr)
     with _sized_like(preset):
         policy = PI0Policy(config)
+    policy.model.sample_noise = _noise_drawn_on_the_cpu
     if pretrained is not None:
         load_weights(policy, Path(pretrained))
     return policy
+
+
+# what the manifest says of PI0's random draws (NOISE_DRAWS)
+NOISE_DRAWS = "cpu"
+
+
+def _noise_drawn_on_the_cpu(shape, device) -> torch.Tensor:
+    """PI0's flow-matching noise, drawn from the CPU generator and moved to the device. LeRobot
+    draws it on the device, whose generators differ by kind (CUDA's Philox, the NPU's own, the
+    CPU's Mersenne twister): two devices would never draw the same noise, and a CUDA generator's
+    state cannot be restored on an NPU. Drawn on the CPU, every device draws the same noise from
+    the same seed (PI0's time is already sampled on the CPU); on the CPU nothing changes."""
+    return torch.normal(mean=0.0, std=1.0, size=shape, dtype=torch.float32).to(device)
 
 
 def weights_file(directory: Path) -> Path:

@@ -21,16 +21,17 @@ from rich.text import Text
 
 from pi0align.compare.result import CallRef, Comparison, Culprit
 from pi0align.compare.table import isin
+from pi0align.report.envdiff_table import env_diff_table, env_diff_verdict
 from pi0align.report.formatting import (
     call_label,
     coverage_text,
     fit_left,
     format_number,
-    format_value,
     innermost_frame,
     relative_frame,
 )
 from pi0align.report.summary import verdict_counts
+from pi0align.runs.envdiff import env_diff_of
 
 ProgressCallback = Callable[..., None]
 
@@ -57,7 +58,10 @@ def print_summary(comparison: Comparison, console: Console, *, top: int = 10) ->
     if one_sided is not None:
         console.print(one_sided)
     if comparison.manifest_diff:
-        console.print(_manifest_table(comparison))
+        set_up = env_diff_of(comparison.manifest_diff)
+        if set_up.notable:
+            console.print(env_diff_table(set_up, title="set-up (env-diff)"))
+        console.print(Text("set-up: ", style="bold") + Text(env_diff_verdict(set_up)))
     for note in comparison.notes:
         console.print(Text("note: ", style="bold yellow") + Text(note))
 
@@ -156,18 +160,6 @@ def _one_sided_table(comparison: Comparison) -> Table | None:
                       str(rows["role"][i]), str(rows["arg_index"][i]))
     if len(one_sided) > LISTED_PER_SECTION:
         table.caption = f"… and {len(one_sided) - LISTED_PER_SECTION} more (see --csv or the HTML report)"
-    return table
-
-
-def _manifest_table(comparison: Comparison) -> Table:
-    table = Table(title=f"manifest differences ({len(comparison.manifest_diff)})", title_justify="left")
-    for column in ("key", "A", "B"):
-        table.add_column(column, overflow="fold", max_width=60)
-    for key, value_a, value_b in comparison.manifest_diff[:LISTED_PER_SECTION]:
-        table.add_row(escape(key), escape(format_value(value_a)), escape(format_value(value_b)))
-    if len(comparison.manifest_diff) > LISTED_PER_SECTION:
-        more = len(comparison.manifest_diff) - LISTED_PER_SECTION
-        table.caption = f"… and {more} more (see --json or the HTML report)"
     return table
 
 

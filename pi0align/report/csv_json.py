@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 
 import numpy as np
 
 from pi0align.compare.result import Comparison
-from pi0align.report.output import output_path
+from pi0align.report.output import output_path, write_json_data
 from pi0align.report.rowdata import row_columns
 from pi0align.report.summary import summary
 
@@ -40,6 +39,4 @@ def _csv_cells(values: np.ndarray, integers: bool) -> list[str]:
 
 def write_json(comparison: Comparison, path: str | Path) -> Path:
     """The summary documented in docs/compare-json.md, strict JSON (no NaN)."""
-    with output_path(path) as path:
-        path.write_text(json.dumps(summary(comparison), indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    return path
+    return write_json_data(summary(comparison), path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,3 +21,10 @@ def output_path(path: str | Path) -> Iterator[Path]:
         yield path
     except OSError as error:
         raise UserError(f"cannot write {path}: {error.strerror or error}") from None
+
+
+def write_json_data(data: object, path: str | Path) -> Path:
+    """Strict JSON (no NaN: make it json-safe first), indented, to `path`."""
+    with output_path(path) as path:
+        path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    return path

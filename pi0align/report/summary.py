@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 from pi0align.compare.result import CallRef, Comparison
+from pi0align.runs.envdiff import env_diff_of
 
 JSON_SCHEMA_VERSION = 1
 _PLAIN = {str, int, bool, type(None)}  # JSON-ready as they are
@@ -69,6 +70,7 @@ def summary(comparison: Comparison) -> dict[str, Any]:
         "culprit_groups": [json_safe(dataclasses.asdict(group)) for group in comparison.culprit_groups],
         "thresholds": json_safe(comparison.thresholds),
         "manifest_diff": [{"key": key, "a": json_safe(a), "b": json_safe(b)} for key, a, b in comparison.manifest_diff],
+        "set_up": [json_safe(dataclasses.asdict(line)) for line in env_diff_of(comparison.manifest_diff).differing],
         "notes": list(comparison.notes),
     }
 

@@ -3,6 +3,9 @@
 Each holds `pretrained_model/` (LeRobot's layout: config.json + model.safetensors, loadable with
 `--pretrained`), `training_state.pt` (optimizer, scheduler, every RNG state, step) and
 `train_config.json`. Written to a temporary folder and renamed, so a checkpoint is whole or absent.
+A checkpoint loads on any device: tensors are read to the CPU and moved where the run computes,
+and the device's own generator is restored on the same kind of device only (PI0's noise is drawn
+from the CPU generator, which is restored everywhere).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def save(run_dir: Path, steps_done: int, *, policy, optimizer, scheduler, config
                 "numpy": np.random.get_state(),
                 "torch": torch.get_rng_state(),
                 "device": device.rng_state(),
+                "device_type": device.type,
             },
         },
         staging / TRAINING_STATE,
@@ -86,5 +90,6 @@ def restore(checkpoint: Path, *, policy, optimizer, scheduler, device) -> int:
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
-    device.set_rng_state(rng["device"])
+    if rng.get("device_type", device.type) == device.type:  # another kind of device has another generator
+        device.set_rng_state(rng["device"])
     return int(state["steps_done"])

@@ -26,34 +26,40 @@ def default_out_dir(config: TrainConfig) -> Path:
     return Path("dumps") / f"{config.device.replace(':', '')}-seed{config.seed}-{datetime.now():%Y%m%d-%H%M%S}"
 
 
-def train(config: TrainConfig, dumper=None, resume_from: Path | None = None) -> dict:
-    """Train; returns the summary (also written to `<out>/summary.json`)."""
+def train(config: TrainConfig, dumper=None, resume_from: Path | None = None, stop_step: int | None = None,
+          started_from: Path | None = None) -> dict:
+    """Train up to `stop_step` (default: the config's steps, which the schedule spans); returns the
+    summary (also written to `<out>/summary.json`). `resume_from`: a checkpoint of this run to
+    continue; `started_from`: another run's checkpoint to start from (`run --from`: its state on
+    this run's device)."""
     started = time.perf_counter()
     device = resolve(config.device)
     torch.set_num_threads(config.threads)
-    out = Path(config.out or default_out_dir(config))
-    out.mkdir(parents=True, exist_ok=True)
-    config.out = out
+    config.out = out = Path(config.out or default_out_dir(config))
 
-    components = build_components(config, device)
+    components = build_components(config, device)  # checks the inputs: a bad one leaves no folder behind
     policy, optimizer, scheduler = components["policy"], components["optimizer"], components["scheduler"]
     manifest = components["manifest"]
+    start_step = 0
+    for source in (resume_from, started_from):
+        if source is not None:
+            start_step = checkpoint.restore(source, policy=policy, optimizer=optimizer, scheduler=scheduler,
+                                            device=device)
+    if started_from is not None:
+        manifest["started_from"] = {"run": str(started_from.parent.parent), "step": start_step}
+    stop_step = config.steps if stop_step is None else stop_step
+    out.mkdir(parents=True, exist_ok=True)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str) + "\n")
     config.save(out / "train_config.json")
-
-    start_step = 0
-    if resume_from is not None:
-        start_step = checkpoint.restore(resume_from, policy=policy, optimizer=optimizer, scheduler=scheduler,
-                                        device=device)
     batches = iter(_make_loader(config, components["dataset"], start_step, device))
     log = MetricsLog(out / "train_log.jsonl", keep_before=start_step)
     grad_clip_norm = policy.config.optimizer_grad_clip_norm
 
     loop_started = time.perf_counter()
     # Leaving the dumper's context ends its writer threads, also when training fails.
-    with ProgressDisplay(config.steps, start_step, enabled=config.progress) as progress, \
+    with ProgressDisplay(stop_step, start_step, enabled=config.progress) as progress, \
             (dumper if dumper is not None else contextlib.nullcontext()):
-        for step in range(start_step, config.steps):
+        for step in range(start_step, stop_step):
             step_started = time.perf_counter()
             raw_batch = next(batches)
             data_time = time.perf_counter() - step_started
@@ -73,7 +79,7 @@ def train(config: TrainConfig, dumper=None, resume_from: Path | None = None) -> 
                                time_s=time.perf_counter() - loop_started)
             progress.update(record, log_line=config.log_every > 0 and (step + 1) % config.log_every == 0)
             steps_done = step + 1
-            if steps_done == config.steps or (config.save_every and steps_done % config.save_every == 0):
+            if steps_done == stop_step or (config.save_every and steps_done % config.save_every == 0):
                 checkpoint.save(out, steps_done, policy=policy, optimizer=optimizer, scheduler=scheduler,
                                 config=config, device=device)
 

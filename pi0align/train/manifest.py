@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 
 from pi0align.device import Device
+from pi0align.pi0.policy import NOISE_DRAWS
 from pi0align.provenance import environment, git_commit, weights_sha256
 
 
@@ -16,6 +18,7 @@ def build_manifest(*, config, device: Device, seed_impl: str, transformers_compa
         "seed": config.seed,
         "seed_impl": seed_impl,
         "transformers_compat": transformers_compat,
+        "noise_draws": NOISE_DRAWS,
         "config": config.to_json(),
         "hyperparameters": _hyperparameters(policy.config),
         "parameter_count": parameter_count,
@@ -23,6 +26,7 @@ def build_manifest(*, config, device: Device, seed_impl: str, transformers_compa
         "dataset": str(dataset_root),
         "dataset_fingerprint": dataset_fingerprint,
         "git_commit": git_commit(),
+        "started": datetime.now().isoformat(timespec="seconds"),
     }
 
 

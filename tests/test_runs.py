@@ -1,0 +1,241 @@
+"""Are two runs set up alike, and how do their curves compare (docs/runs.md): env-diff, doctor,
+loss curves (command, HTML page, notebook), baselines and check, and a run started from another
+run's checkpoint, on real tiny PI0 runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import REPO, assert_one_line_error, run_cli
+
+from pi0align.compare import compare_dumps
+from pi0align.compare.reading.open_dump import open_run
+from pi0align.runs.curves import compare_curves, load_runs
+from pi0align.runs.envdiff import FOLLOWS, MATTERS, env_diff
+from pi0align.runs.folder import read_run
+from pi0align.runs.supported import MISMATCH, OK, SUPPORTED, Machine, doctor
+
+TINY = ("--preset", "tiny", "--batch-size", "4", "--no-progress", "--log-every", "0")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Tiny PI0 runs of 4 steps at 1 thread, a checkpoint after each step: the base (step 2 dumped),
+    the same again, another seed and learning rate, another learning rate alone; and two runs
+    started from the base's checkpoint at step 2, one step each, step 2 dumped, at 1 and 2 threads."""
+    root = tmp_path_factory.mktemp("runs")
+    plain = (*TINY, "--steps", "4", "--threads", "1", "--save-every", "1")
+    made = {}
+    for name, extra in (("base", ("--dump-steps", "2")), ("same", ("--dump-steps", "2")),
+                        ("seed_and_lr", ("--seed", "7", "--lr", "1e-3")), ("lr", ("--lr", "1e-3"))):
+        done = run_cli("run", *plain, *extra, "--out", root / name)
+        assert done.returncode == 0, done.stderr
+        made[name] = root / name
+    for name, threads in (("from", "1"), ("from_2_threads", "2")):
+        done = run_cli("run", "--from", made["base"], "--at", "2", "--dump-steps", "2", "--threads", threads,
+                       "--no-progress", "--log-every", "0", "--out", root / name)
+        assert done.returncode == 0, done.stderr
+        made[name] = root / name
+    return made
+
+
+# -- env-diff -------------------------------------------------------------------------------------
+
+
+def test_env_diff_names_exactly_the_seed_and_the_hyper_parameter_that_differ(runs):
+    """Another seed and another learning rate: exactly those two matter; the initial weights and
+    PYTHONHASHSEED follow the seed; paths and times differ with no effect."""
+    diff = env_diff(read_run(runs["base"]).manifest, read_run(runs["seed_and_lr"]).manifest)
+    assert {line.item for line in diff.matters} == {"seed", "learning rate"}
+    assert {line.item for line in diff.notable if line.status == FOLLOWS} == {"initial weights", "PYTHONHASHSEED"}
+    shown = run_cli("env-diff", runs["base"], runs["seed_and_lr"])
+    assert shown.returncode == 1 and "2 matter: seed, learning rate" in shown.stdout, shown.stdout
+    assert "argv" not in shown.stdout and "config.out" not in shown.stdout
+
+
+def test_env_diff_of_identical_runs_is_nothing(runs):
+    same = run_cli("env-diff", runs["base"], runs["same"])
+    assert same.returncode == 0 and same.stdout.startswith("set up alike"), same.stdout
+    assert "differs and matters" not in same.stdout and "┃" not in same.stdout  # no table
+
+
+def test_tf32_on_one_side_differs_and_matters(runs, tmp_path):
+    manifest = json.loads((runs["base"] / "manifest.json").read_text())
+    manifest["numerics"]["cuda_matmul_allow_tf32"] = True
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    shown = run_cli("env-diff", runs["base"] / "manifest.json", tmp_path / "manifest.json", "--json",
+                    tmp_path / "diff.json")
+    assert shown.returncode == 1, shown.stdout
+    lines = {line["item"]: line for line in json.loads((tmp_path / "diff.json").read_text())}
+    assert lines["cuda_matmul_allow_tf32"]["status"] == MATTERS
+    assert lines["seed"]["status"] == "same"
+
+
+def test_autocast_open_on_one_side_differs_and_matters(runs):
+    manifest = json.loads((runs["base"] / "manifest.json").read_text())
+    autocast = json.loads(json.dumps(manifest))
+    autocast["numerics"]["autocast"]["cpu"] = "bfloat16"
+    assert [line.item for line in env_diff(manifest, autocast).matters] == ["autocast on cpu"]
+
+
+def test_a_dump_is_set_up_as_its_run(runs):
+    """A dump carries its run's manifest: env-diff reads it as it reads the run folder."""
+    assert not env_diff(read_run(runs["base"] / "dump.h5").manifest, read_run(runs["base"]).manifest).notable
+
+
+def test_bad_run_folders_end_in_one_line(runs, tmp_path):
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "manifest.json").write_text("{not json")
+    (corrupt / "train_log.jsonl").write_text('{"step": 0, "loss": 1.0}\nnot json\n{"step": 2, "loss": 1.0}\n')
+    missing = tmp_path / "missing"
+    for command, fragments in ((("env-diff", missing, runs["base"]), ("no such run folder",)),
+                               (("env-diff", corrupt, runs["base"]), ("manifest.json", "not JSON")),
+                               (("curves", runs["base"], corrupt), ("train_log.jsonl:2", "not JSON")),
+                               (("curves", runs["base"], tmp_path), ("not a run folder",)),
+                               (("check", missing, "--baseline", "cpu-default"), ("no such run folder",)),
+                               (("check", runs["base"], "--baseline", "nope"), ("no baseline 'nope'",))):
+        assert_one_line_error(run_cli(*command), *fragments)
+
+
+# -- curves ---------------------------------------------------------------------------------------
+
+
+def test_curves_of_the_same_seed_are_bit_identical_and_another_learning_rate_leaves_the_band(runs):
+    frame = load_runs([runs["base"], runs["same"], runs["lr"]])
+    assert list(frame.columns) == ["run", "step", "loss", "grad_norm", "lr", "samples_per_s"]
+    assert list(dict.fromkeys(frame["run"])) == ["base", "same", "lr"]  # the order given: the first is the reference
+    same, lr = compare_curves(frame).differences
+    assert same.identical and same.within and same.first_outside is None
+    assert not lr.within and lr.first_outside is not None and lr.first_outside >= 1  # step 0 takes the same loss
+    exact = run_cli("curves", runs["base"], runs["same"], "--exact")
+    assert exact.returncode == 0 and "identical" in exact.stdout, exact.stdout
+    apart = run_cli("curves", runs["base"], runs["lr"])
+    assert apart.returncode == 1 and "outside" in apart.stdout, apart.stdout
+
+
+def test_the_curves_page_shows_the_overlay_in_chromium(runs, tmp_path, browser):
+    page_file = tmp_path / "curves.html"
+    done = run_cli("curves", runs["base"], runs["same"], runs["lr"], "--html", page_file)
+    assert done.returncode == 1, done.stderr
+    context = browser.new_context()
+    blocked, errors = [], []
+    context.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:") else (
+        blocked.append(route.request.url), route.abort()))
+    page = context.new_page()
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.goto(page_file.as_uri())
+    page.wait_for_selector("#curves .main-svg")
+    traces = page.evaluate("document.getElementById('curves').data.map(t => t.name)")
+    # three runs in each of loss, gradient norm and learning rate, two relative errors, the band
+    assert len(traces) == 3 * 3 + 2 + 1 and traces.count("lr") == 4
+    assert page.text_content("#verdict") == "outside tolerance"
+    context.close()
+    assert blocked == [] and errors == []
+
+
+def test_the_loss_curve_notebook_overlays_the_runs(runs):
+    """The notebook in notebooks/ runs top to bottom (real kernel) on real run folders."""
+    import os
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.read(REPO / "notebooks" / "loss_curves.ipynb", as_version=4)
+    os.environ["PI0ALIGN_RUNS"] = str(runs["base"].parent / "[bls]*")  # base, lr, same, seed_and_lr
+    try:
+        NotebookClient(notebook, timeout=300, kernel_name="python3",
+                       resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()
+    finally:
+        del os.environ["PI0ALIGN_RUNS"]
+    outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
+    text = "".join(output.get("text", "") for output in outputs)
+    assert "4 run(s): base, lr, same, seed_and_lr" in text and "lr: mean relative loss error" in text
+    figure = next(o["data"]["application/vnd.plotly.v1+json"] for o in outputs
+                  if "application/vnd.plotly.v1+json" in o.get("data", {}))
+    assert len(figure["data"]) == 4 * 3 + 3 + 1  # 4 runs × 3 metrics, 3 relative errors, the band
+    assert figure["data"][0]["y"]  # the loss curve has points
+
+
+# -- baselines and check ------------------------------------------------------------------------
+
+
+def test_check_passes_a_run_against_its_own_baseline_and_fails_another_learning_rate(runs, tmp_path):
+    recorded = run_cli("check", runs["base"], "--save-baseline", "tiny", "--baselines", tmp_path)
+    assert recorded.returncode == 0, recorded.stderr
+    own = run_cli("check", runs["same"], "--baseline", "tiny", "--baselines", tmp_path)
+    assert own.returncode == 0 and "passed" in own.stdout, own.stdout
+    other = run_cli("check", runs["lr"], "--baseline", "tiny", "--baselines", tmp_path)
+    assert other.returncode == 1 and "failed" in other.stdout and "learning rate" in other.stdout, other.stdout
+
+
+def test_a_documented_baseline_holds_no_results_to_check_against(runs):
+    assert_one_line_error(run_cli("check", runs["base"], "--baseline", "pi0-8p-reference"),
+                          "pi0-8p-reference", "--save-baseline")
+
+
+@pytest.mark.slow  # the default job (50 steps of PI0 small), twice
+def test_the_default_run_passes_its_baseline_and_another_learning_rate_fails(tmp_path):
+    for name, extra in (("default", ()), ("lr", ("--lr", "1e-4"))):
+        done = run_cli("run", "--no-progress", "--log-every", "0", *extra, "--out", tmp_path / name)
+        assert done.returncode == 0, done.stderr
+    passed = run_cli("check", tmp_path / "default", "--baseline", "cpu-default")
+    assert passed.returncode == 0, passed.stdout
+    failed = run_cli("check", tmp_path / "lr", "--baseline", "cpu-default")
+    assert failed.returncode == 1 and "loss curve" in failed.stdout, failed.stdout
+
+
+# -- a late divergence from identical state ------------------------------------------------------
+
+
+def test_a_run_from_another_runs_checkpoint_computes_its_step_bit_for_bit(runs):
+    """Started from the base's checkpoint at step 2 at the same thread count: step 2 dumps the same
+    bits, record by record, and takes the same loss; at another thread count, aligned."""
+    (base,), (again,) = (open_run(runs[name], {2}).values() for name in ("base", "from"))
+    assert len(base.records) > 1000 and (base.records["checksum"] == again.records["checksum"]).all()
+    base_loss = next(r["loss"] for r in read_run(runs["base"], need_log=True).log if r["step"] == 2)
+    assert [r["loss"] for r in read_run(runs["from"], need_log=True).log] == [base_loss]
+    result = compare_dumps(runs["base"], runs["from_2_threads"], steps={2}, replay=False)
+    assert result.verdict == "aligned" and not result.culprits
+    manifest = read_run(runs["from"]).manifest
+    assert manifest["started_from"] == {"run": str(runs["base"]), "step": 2}
+
+
+def test_from_takes_the_other_runs_configuration_and_says_what_is_wrong(runs, tmp_path):
+    out = ("--out", tmp_path / "x")
+    for args, fragments in ((("--from", runs["base"]), ("--at",)),
+                            (("--from", runs["base"], "--at", "9"), ("9 steps",)),
+                            (("--from", runs["base"], "--at", "2", "--lr", "1"), ("--lr", "cannot change")),
+                            (("--from", runs["base"], "--at", "3", "--steps", "2"), ("runs past",)),
+                            (("--at", "2"), ("--from",))):
+        assert_one_line_error(run_cli("run", *args, *out), *fragments)
+    assert not (tmp_path / "x").exists()
+
+
+# -- doctor -------------------------------------------------------------------------------------
+
+
+def test_doctor_passes_this_machine_and_names_what_an_npu_machine_lacks():
+    shown = run_cli("doctor")
+    assert shown.returncode == 0 and "torch" in shown.stdout and "mismatch" not in shown.stdout, shown.stdout
+    npu = doctor(Machine(versions={"python": "3.11.7", "torch": "2.14.1", "torchvision": "0.29.1",
+                                   "transformers": "4.57.6", "lerobot": "0.4.4", "torch_npu": "2.1.0.post6",
+                                   "cann": "8.2.RC1"}, devices=("cpu", "npu"), environment={}))
+    status = {finding.check: finding.status for finding in npu.findings}
+    assert not npu and status["torch_npu"] == MISMATCH and status["cann"] == OK
+    assert status["HCCL_DETERMINISTIC"] == MISMATCH
+
+
+def test_the_supported_versions_page_shows_the_table():
+    page = (REPO / "docs" / "supported-versions.md").read_text()
+    for requirement in SUPPORTED:
+        assert f"| `{requirement.name}` | `{requirement.specifier}` |" in page, requirement.name
+
+
+def test_a_run_killed_mid_line_reads_up_to_its_last_whole_step(runs, tmp_path):
+    shutil.copytree(runs["base"], tmp_path / "killed", ignore=shutil.ignore_patterns("checkpoints", "dump.h5*"))
+    log = tmp_path / "killed" / "train_log.jsonl"
+    log.write_text(log.read_text() + '{"step": 4, "lo')
+    assert [r["step"] for r in read_run(tmp_path / "killed", need_log=True).log] == [0, 1, 2, 3]
