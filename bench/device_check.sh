@@ -8,7 +8,10 @@
 # and on cpu with tensor dumps of steps 0 and 1, in fp32 and then bf16, compares each pair (A = cpu,
 # B = cuda) and prints the verdicts, the culprit groups and both runs' images/sec. cuDNN runs fp32
 # convolutions on TF32 by default (torch.backends.cudnn.allow_tf32), and SigLIP's patch embedding
-# is a convolution: the compare's notes say so. Exit: 0 when it ran, 2 when it cannot run here.
+# is a convolution: the compare's notes say so. Then the scale and tuning checks: two runs of 2
+# processes over NCCL compared rank by rank (with 2 GPUs or more; NCCL takes one device a rank),
+# the dump's overhead on cuda (bench/dump_overhead.py), and fused AdamW on and off, with a fused
+# run compared against an unfused one (bench/tuning.py). Exit: 0 when it ran, 2 when it cannot run here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=${1:-dumps/device-check}
@@ -60,3 +63,21 @@ for dtype in ("fp32", "bf16"):
     for note in summary["notes"]:
         print(f"    note: {note}")
 PY
+
+gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
+if [ "$gpus" -ge 2 ]; then
+    for run in a b; do
+        "$py" -m pi0align.cli.main run --device cuda --nproc 2 --preset small --steps 3 --dump-steps 0,1 \
+            --out "$work/nccl-$run" --no-progress --log-every 0 | sed "s/^/[nccl $run] /"
+    done
+    "$py" -m pi0align.cli.main compare "$work/nccl-a" "$work/nccl-b" --no-html --top 3 | sed "s/^/[nccl compare] /" || true
+else
+    echo "[nccl] skipped: $gpus GPU here, and NCCL takes one device a rank"
+fi
+"$py" bench/dump_overhead.py --device cuda --skip-msprobe --rounds 3 | sed "s/^/[dump overhead cuda] /"
+"$py" bench/tuning.py --device cuda --preset small --steps 20 --switches fused | sed "s/^/[tuning cuda] /"
+for optimizer in adamw adamw-fused; do
+    "$py" -m pi0align.cli.main run --device cuda --preset small --steps 2 --dump-steps 0,1 --optimizer "$optimizer" \
+        --out "$work/$optimizer" --no-progress --log-every 0 >/dev/null
+done
+"$py" -m pi0align.cli.main compare "$work/adamw" "$work/adamw-fused" --no-html --top 3 | sed "s/^/[fused compare] /" || true

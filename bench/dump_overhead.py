@@ -1,6 +1,6 @@
 """Step time of PI0 training with the dumper, as ratios to the same steps without it.
 
-Small preset, CPU, one thread. Plain and dumped steps alternate in one process, each dumped step
+Small preset, CPU (or --device), one CPU thread. Plain and dumped steps alternate in one process, each dumped step
 timed against the plain step just before it (a CPU step drifts over a long run; fixed `MALLOC_*`
 thresholds, set by re-executing this script, steady glibc's allocator). Variants: our Dumper idle
 (started, step not selected), stats, sample and tensor mode at level mix, and stats at level api
@@ -14,7 +14,7 @@ bytes written per dumped step, and the device ops each dump backend issues per r
 (counted by a TorchDispatchMode: the ops of a dumped step beyond those of the same step undumped;
 views are not counted, they launch nothing). The torch backend is what an accelerator runs.
 
-    .venv/bin/python bench/dump_overhead.py [--preset small] [--rounds 5] [--batch-size 8]
+    .venv/bin/python bench/dump_overhead.py [--device cpu] [--preset small] [--rounds 5] [--batch-size 8]
 """
 
 from __future__ import annotations
@@ -52,23 +52,31 @@ def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
 
 
-def build(preset: str, batch_size: int, work: Path):
-    """Policy, optimizer, scheduler, one fixed preprocessed batch, clip norm: as `pi0align run`."""
+def build(args, work: Path):
+    """(policy, optimizer, step): a training step of one fixed preprocessed batch, as `pi0align run`
+    trains it on `args.device`, returning when the device is done with it."""
     import torch
 
     from pi0align.device import resolve
     from pi0align.train.config import TrainConfig
     from pi0align.train.data import make_loader
-    from pi0align.train.loop import build_components
+    from pi0align.train.loop import build_components, train_step
 
     torch.set_num_threads(1)
-    config = TrainConfig(preset=preset, batch_size=batch_size, threads=1, steps=10_000, out=work, progress=False)
-    parts = build_components(config, resolve("cpu"))
-    loader = make_loader(parts["dataset"], batch_size=batch_size, seed=config.seed, start_step=0, steps=1,
+    config = TrainConfig(device=args.device, preset=args.preset, batch_size=args.batch_size, threads=1, steps=10_000,
+                         out=work, progress=False)
+    device = resolve(args.device)
+    parts = build_components(config, device)
+    loader = make_loader(parts["dataset"], batch_size=args.batch_size, seed=config.seed, start_step=0, steps=1,
                          num_workers=0, pin_memory=False)
     batch = parts["preprocessor"](next(iter(loader)))
-    policy = parts["policy"]
-    return policy, parts["optimizer"], parts["scheduler"], batch, policy.config.optimizer_grad_clip_norm
+    policy, optimizer, scheduler = parts["policy"], parts["optimizer"], parts["scheduler"]
+
+    def step():
+        train_step(policy, batch, optimizer, scheduler, policy.config.optimizer_grad_clip_norm)
+        device.synchronize()
+
+    return policy, optimizer, step
 
 
 def alternate(step_plain, variants: dict, rounds: int, settle: dict | None = None) -> dict[str, list[float]]:
@@ -95,13 +103,8 @@ def alternate(step_plain, variants: dict, rounds: int, settle: dict | None = Non
 
 def bench_ours(args, work: Path) -> list[tuple[str, float, float, int]]:
     from pi0align import Dumper
-    from pi0align.train.loop import train_step
 
-    policy, optimizer, scheduler, batch, clip = build(args.preset, args.batch_size, work / "run")
-
-    def step():
-        train_step(policy, batch, optimizer, scheduler, clip)
-
+    policy, _, step = build(args, work / "run")
     dumpers, variants, counts = {}, {}, {}
     for name, how in OURS.items():
         mode, level, backend = how or ("stats", "mix", "auto")
@@ -143,7 +146,6 @@ def device_ops_per_record(args, work: Path) -> dict[str, tuple[float, int]]:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from pi0align import Dumper
-    from pi0align.train.loop import train_step
 
     class Count(TorchDispatchMode):
         ops = 0
@@ -152,16 +154,13 @@ def device_ops_per_record(args, work: Path) -> dict[str, tuple[float, int]]:
             Count.ops += not func.is_view
             return func(*args, **(kwargs or {}))
 
-    policy, optimizer, scheduler, batch, clip = build(args.preset, args.batch_size, work / "ops")
+    policy, optimizer, plain_step = build(args, work / "ops")
 
     def counted(run) -> int:
         Count.ops = 0
         with Count():
             run()
         return Count.ops
-
-    def plain_step():
-        train_step(policy, batch, optimizer, scheduler, clip)
 
     plain_step()  # the optimizer makes its states at its first step
     plain = counted(plain_step)
@@ -186,13 +185,8 @@ def device_ops_per_record(args, work: Path) -> dict[str, tuple[float, int]]:
 def bench_msprobe(args, work: Path, name: str) -> list[tuple[str, float, float, int]]:
     from msprobe.pytorch import PrecisionDebugger
 
-    from pi0align.train.loop import train_step
-
     task, level = MSPROBE[name]
-    policy, optimizer, scheduler, batch, clip = build(args.preset, args.batch_size, work / "run")
-
-    def step():
-        train_step(policy, batch, optimizer, scheduler, clip)
+    policy, _, step = build(args, work / "run")
 
     out = work / "msprobe"
     debugger = PrecisionDebugger(task=task, dump_path=str(out), level=level)
@@ -230,6 +224,7 @@ def msprobe_available() -> str | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or npu")
     parser.add_argument("--preset", default="small", choices=("tiny", "small"))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -249,7 +244,7 @@ def main() -> int:
         why_not = "skipped (--skip-msprobe)" if args.skip_msprobe else msprobe_available()
         if why_not is None:
             for name in MSPROBE:
-                result = subprocess.run([sys.executable, __file__, "--preset", args.preset,
+                result = subprocess.run([sys.executable, __file__, "--device", args.device, "--preset", args.preset,
                                          "--rounds", str(args.rounds), "--batch-size", str(args.batch_size),
                                          "--msprobe-variant", name],
                                         capture_output=True, text=True)
@@ -262,7 +257,7 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"preset {args.preset}, batch {args.batch_size}, CPU, 1 thread, {args.rounds} rounds "
+    print(f"preset {args.preset}, batch {args.batch_size}, {args.device}, 1 CPU thread, {args.rounds} rounds "
           f"(median of dumped/plain step-time ratios)")
     print(f"{'variant':28s} {'ratio':>7s} {'plain step s':>13s} {'bytes/step':>12s}")
     for name, ratio, plain, size in rows:

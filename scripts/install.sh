@@ -2,7 +2,8 @@
 # Install pi0align and everything it needs into ./.venv, at the versions in constraints.txt.
 # Repeatable on a fresh machine; touches no Hugging Face Hub.
 #   scripts/install.sh          the tool (training, dumping, comparing, reports)
-#   scripts/install.sh test     + the test tools and Debian's Chromium for the browser tests
+#   scripts/install.sh scale    + DeepSpeed (run --engine deepspeed)
+#   scripts/install.sh test     + DeepSpeed, the test tools and Debian's Chromium for the browser tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3.11}
@@ -14,7 +15,8 @@ pip install -q --upgrade "pip>=24"
 # torch and torchvision as a matched pair, first, so nothing below can pull another torch.
 pip install -q -c constraints.txt torch torchvision
 extras=msprobe,notebooks
-[ "${1:-}" = test ] && extras="msprobe,notebooks,test"
+[ "${1:-}" = scale ] && extras="msprobe,notebooks,scale"
+[ "${1:-}" = test ] && extras="msprobe,notebooks,scale,test"
 pip install -q -c constraints.txt -e ".[${extras}]"
 # LeRobot pins torch<2.11, which excludes the torch here: its real needs are in pyproject.toml.
 pip install -q -c constraints.txt --no-deps lerobot

@@ -38,6 +38,7 @@ COMMANDS = {
     "curves": ("pi0align.cli.curves", "loss curves of runs side by side, and where they part"),
     "check": ("pi0align.cli.check", "a run against a baseline's curve, final loss and throughput"),
     "doctor": ("pi0align.cli.doctor", "this machine against the supported versions and switches"),
+    "hostfile": ("pi0align.cli.hostfile", "a DeepSpeed hostfile and launch commands for training across nodes"),
 }
 
 
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser, module = build_parser(argv)
     args = parser.parse_args(argv)
+    args.argv = list(argv)  # as given: a command may run itself again (run --nproc, under a launcher)
     if module is None:
         parser.print_help()
         return 2

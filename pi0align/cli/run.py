@@ -11,8 +11,9 @@ from pi0align.cli.steps import parse_steps
 from pi0align.dump.file_format import BACKENDS, LEVELS, MODES
 from pi0align.errors import UserError
 
-SECTIONS = {"run": "run", "inputs": "inputs (all local; nothing is downloaded)", "seeding": "seeding"}
-_TYPES = {"int": int, "float | None": float, "str": str, "Path | None": Path}
+SECTIONS = {"run": "run", "inputs": "inputs (all local; nothing is downloaded)", "seeding": "seeding",
+            "scale": "processes, profiling and tuning"}
+_TYPES = {"int": int, "float | None": float, "str": str, "Path | None": Path, "str | None": str}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,10 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if meta["negation"]:
             section.add_argument(meta["negation"], dest=field.name, action="store_false", help=meta["help"])
             continue
+        if field.type == "bool":  # off by default: its flag turns it on
+            section.add_argument(f"--{flag_name(field.name)}", dest=field.name, action="store_true", default=None,
+                                 help=meta["help"])
+            continue
         shown = "" if default is None else f" (default: {default})"
         # None: not given, the config's default (or, with --resume, the resumed run's)
+        choices = [choice for choice in CHOICES.get(field.name, ()) if choice is not None] or None  # None: not given
         section.add_argument(f"--{flag_name(field.name)}", dest=field.name, type=_TYPES[field.type], default=None,
-                             choices=CHOICES.get(field.name), metavar=meta["metavar"], help=meta["help"] + shown)
+                             choices=choices, metavar=meta["metavar"], help=meta["help"] + shown)
     sections["run"].add_argument("--resume", type=Path, default=None, metavar="DIR",
                                  help="continue a run from its folder or one of its checkpoints; its config is "
                                       "reused (--steps and --no-progress apply)")
@@ -106,7 +112,9 @@ def start_from_args(args) -> Start:
         steps = args.steps if args.steps is not None else config.steps
         config = dataclasses.replace(config, out=resume_from.parent.parent, steps=steps, progress=args.progress)
         return Start(config, resume_from=resume_from)
-    return Start(TrainConfig(**given))
+    from pi0align.train.config import RECIPES
+
+    return Start(TrainConfig(**{**RECIPES.get(given.get("recipe"), {}), **given}))
 
 
 def make_dumper(args, out: Path, seed: int):
@@ -131,6 +139,18 @@ def main(args) -> int:
     # the flags are checked before the slow imports below: a bad one fails at once
     start = start_from_args(args)
     config = start.config
+    from pi0align.train import distributed
+
+    launched = distributed.launched().distributed
+    if config.nproc > 1 and not launched:
+        from pi0align.train.loop import check_inputs
+
+        check_inputs(config)  # a bad input is one line here, not one per process
+        # every process writes to one folder: named here, once
+        out = [] if config.out is not None else ["--out", str(default_out_dir(config))]
+        return distributed.launch([*args.argv, *out], config.nproc)
+    if launched and config.out is None:
+        raise UserError("under a launcher every process writes to one run folder: give --out DIR")
     config.out = Path(config.out or default_out_dir(config))
     dumper = make_dumper(args, config.out, config.seed)
 
@@ -144,7 +164,8 @@ def main(args) -> int:
     transformers.logging.set_verbosity_error()
     summary = train(config, dumper=dumper, resume_from=start.resume_from, started_from=start.started_from,
                     stop_step=start.stop_step)
-    for line in summary_lines(summary):
-        print(line)
-    print(f"run folder: {summary['out']}")
+    if distributed.launched().main:  # once, for every rank
+        for line in summary_lines(summary):
+            print(line)
+        print(f"run folder: {summary['out']}")
     return 0

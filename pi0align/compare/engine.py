@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import gc
+import multiprocessing
+import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -98,7 +102,7 @@ def _compare(path_a: str | Path, path_b: str | Path, thresholds: dict, steps: It
         if noise is not None:
             pairs += [(runs_a[r], opened[2][r], False) for r in sorted(runs_a)]
         tracker = _Tracker(progress, sum(_work(a, b, replay) for a, b, replay in pairs))
-        parts = [_compare_rank(a, b, tracker, replay) for a, b, replay in pairs]
+        parts = _compare_pairs(pairs, wanted, tracker)
         reference = Table.concat([p[0] for p in parts[len(runs_a):]]) if noise is not None else None
         return _conclude(parts[:len(runs_a)], runs_a, runs_b, thresholds, str(path_a), str(path_b),
                          reference, opened[2] if noise is not None else None)
@@ -130,9 +134,45 @@ def _work(a: Dump, b: Dump, replay: bool) -> int:
     return steps + tensors + calls
 
 
-def _compare_rank(a: Dump, b: Dump, tracker: _Tracker, replay: bool) -> tuple[Table, list[str], Callable, list]:
-    """Rows of one rank (metrics filled, not yet judged), notes, the stack of a call, and the
-    optimizer settings that differ."""
+def _compare_pairs(pairs: list[tuple[Dump, Dump, bool]], wanted: set[int] | None,
+                   tracker: _Tracker) -> list[tuple[Table, list[str], list]]:
+    """Each rank pair measured (_compare_rank): here where there is one pair or one core, else in
+    processes of their own, one pair each, as many at once as there are cores (each opens its
+    pair again by path: open dumps do not cross processes)."""
+    workers = min(len(pairs), os.cpu_count() or 1)
+    if workers < 2 or not _main_importable():
+        return [_compare_rank(a, b, tracker, replay) for a, b, replay in pairs]
+    context = multiprocessing.get_context("spawn")  # a fork would share the open HDF5 files
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        futures = [pool.submit(_compare_rank_at, a.source, b.source, a.rank, wanted, replay) for a, b, replay in pairs]
+        parts = []
+        for future, (a, b, replay) in zip(futures, pairs):
+            parts.append(future.result())
+            tracker.advance(_work(a, b, replay))
+    return parts
+
+
+def _main_importable() -> bool:
+    """A spawned process imports the parent's main script again: none (a notebook) or a file, not
+    a script read from standard input."""
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    return main is None or Path(main).is_file()
+
+
+def _compare_rank_at(source_a: str, source_b: str, rank: int, wanted: set[int] | None,
+                     replay: bool) -> tuple[Table, list[str], list]:
+    """_compare_rank of one rank of two dumps given by path (in a process of its own)."""
+    opened = [open_run(source, wanted) for source in (source_a, source_b)]
+    try:
+        return _compare_rank(opened[0][rank], opened[1][rank], _Tracker(None, 0), replay)
+    finally:
+        for runs in opened:
+            _close(runs)
+
+
+def _compare_rank(a: Dump, b: Dump, tracker: _Tracker, replay: bool) -> tuple[Table, list[str], list]:
+    """Rows of one rank (metrics filled, not yet judged), notes, and the optimizer settings that
+    differ."""
     ra, rb = a.records, b.records
     pairs = pair_records(ra, rb)
     ia, ib = pairs["ia"], pairs["ib"]
@@ -183,7 +223,7 @@ def _compare_rank(a: Dump, b: Dump, tracker: _Tracker, replay: bool) -> tuple[Ta
     rows["args_differ"] = arguments_differ(rows, a, b, ia, ib)
     rows["update_step"], rows["learning_rate_sum"] = _update_steps(rows, a, ia)
     tracker.advance(max(_work(a, b, replay) - done, 0))  # steps, unpaired tensors, calls not replayed
-    return rows, notes, _stack_lookup(a), _hyper_parameters(a, b)
+    return rows, notes, _hyper_parameters(a, b)
 
 
 class _Side:
@@ -309,7 +349,7 @@ def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, r
     rows = Table.concat([p[0] for p in parts])
     notes = [n for dump in list(runs_a.values()) + list(runs_b.values()) for n in dump.notes]
     notes += [n for p in parts for n in p[1]]
-    stack_lookups = dict(zip(sorted(runs_a), (p[2] for p in parts)))  # rank -> (step, seq) -> frames
+    stack_lookups = {rank: _stack_lookup(dump) for rank, dump in runs_a.items()}  # rank -> (step, seq) -> frames
     first_a, first_b = runs_a[min(runs_a)], runs_b[min(runs_b)]
     diff = manifest_diff(first_a.manifest, first_b.manifest)
 
@@ -337,7 +377,7 @@ def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, r
     first_bwd = first_divergence(calls, judgement.culprit, stack_of, direction="backward")
     notes += manifest_notes(diff) + numerics_notes(first_a.manifest, first_b.manifest)
     notes += _coverage_notes(rows)
-    hyper_parameters = parts[0][3] if parts else []
+    hyper_parameters = parts[0][2] if parts else []
     if hyper_parameters:
         notes.append("the optimizer's hyper-parameters differ: " + ", ".join(
             f"{key} {va!r} in A, {vb!r} in B" for key, va, vb in hyper_parameters))
@@ -364,7 +404,14 @@ def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, r
         noise_model=noise_model(judgement, fallback),
         rows_over_dtype_limits=int(rows["over_dtype_limits"].sum()),
         culprit_groups=culprit_groups(calls, judgement, hyper_parameters),
-        explained=explanation.counts())
+        explained=explanation.counts(), rank_verdicts=_rank_verdicts(rows, calls, judgement))
+
+
+def _rank_verdicts(rows: Table, calls: Table, judgement) -> dict[int, str]:
+    """Per rank: diverged where a row of it still fails or a culprit ran on it."""
+    ranks = sorted(set(rows["rank"].tolist()))
+    failing = set(rows["rank"][rows["verdict"] == "fail"].tolist()) | set(calls["rank"][judgement.culprit].tolist())
+    return {rank: "diverged" if rank in failing else "aligned" for rank in ranks}
 
 
 def _introduced_per_row(rows: Table, calls: Table) -> np.ndarray:

@@ -127,6 +127,7 @@ class Comparison:
     rows_over_dtype_limits: int = 0  # pairs beyond the fixed dtype limits, whatever the noise model says
     culprit_groups: list[CulpritGroup] = field(default_factory=list)  # by their first culprit
     explained: dict[str, int] = field(default_factory=dict)  # `warn` rows by the rule that explained them
+    rank_verdicts: dict[int, str] = field(default_factory=dict)  # per rank: "aligned" | "diverged"
 
     @property
     def within_noise(self) -> bool:

@@ -337,8 +337,11 @@ class Capture:
                     self.log.drop(earlier)  # gradient accumulation: the last sum is the gradient
                 if self._param_calls is None:  # started between the forward and the backward
                     self._read_parameters()
+                # under DDP the reduced gradient is written back into .grad, in place, as backward
+                # ends: the record is this rank's own, taken now (the optimizer's records hold the reduced)
+                gradient = param.grad.detach().clone() if _several_ranks() else param.grad
                 self._grad_rows[id(param)] = self.log.add_tensor(self._param_calls[id(param)], record_name,
-                                                                 "parameter_grad", 0, param.grad)
+                                                                 "parameter_grad", 0, gradient)
 
         return hook
 
@@ -362,3 +365,8 @@ class _ApiMode(TorchFunctionMode):
             capture.backward_done()
             return result
         return capture.api_call(func, api, args, kwargs)
+
+
+def _several_ranks() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1

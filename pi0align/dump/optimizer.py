@@ -89,6 +89,11 @@ class OptimizerRecorder:
         with torch._C.DisableTorchFunction():
             for call, name, param, group in opened:
                 state = _state_tensors(optimizer.state.get(param, {}))
+                # a fused kernel (torch's fused AdamW, NpuFusedAdamW) writes the parameter and its
+                # states without counting a change: counted here, so that their statistics are
+                # taken anew, not those of the inputs (the same memory, the same version) reused
+                for tensor in (param, *(tensor for _, tensor in state)):
+                    torch.autograd.graph.increment_version(tensor)
                 # the states exist from the first update on: named now
                 log.set_arguments(call, hyper_parameters(group, [k for k, _ in state], type(optimizer)))
                 log.add_tensor(call, name, "output", 0, param)

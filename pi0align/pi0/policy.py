@@ -71,6 +71,23 @@ def weights_file(directory: Path) -> Path:
     return path
 
 
+def save_weights(policy, directory: Path) -> None:
+    """A LeRobot policy folder (config.json + model.safetensors, what save_pretrained writes) from
+    tensors copied out of any storage they share: DeepSpeed's ZeRO keeps the parameters as views
+    of one flat buffer, which safetensors refuses. Tied weights are saved once."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    policy.config._save_pretrained(directory)
+    tensors, seen = {}, set()
+    for key, value in policy.state_dict().items():
+        identity = (value.data_ptr(), tuple(value.shape), value.stride())
+        if identity not in seen:
+            seen.add(identity)
+            tensors[key] = value.detach().clone(memory_format=torch.contiguous_format)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
 def load_weights(policy, directory: Path) -> None:
     """Load `model.safetensors` from a LeRobot policy folder (lerobot/pi0 layout, or our checkpoints)."""
     from safetensors import SafetensorError

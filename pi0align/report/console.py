@@ -93,6 +93,9 @@ def _verdict_panel(comparison: Comparison) -> Panel:
     if comparison.explained:
         lines.append(Text("warn by rule: " + " · ".join(f"{rule} {count}" for rule, count in
                                                        sorted(comparison.explained.items(), key=lambda r: -r[1]))))
+    if len(comparison.rank_verdicts) > 1:
+        lines.append(Text("ranks: " + " · ".join(f"{rank} {verdict}" for rank, verdict in
+                                                 comparison.rank_verdicts.items())))
     return Panel(Group(*lines), title="pi0align compare", border_style="green" if aligned else "red", expand=False)
 
 

@@ -64,6 +64,7 @@ def summary(comparison: Comparison) -> dict[str, Any]:
         "coverage": json_safe(comparison.coverage),
         "row_verdicts": verdict_counts(comparison),
         "explained_by": dict(comparison.explained),
+        "rank_verdicts": {str(rank): verdict for rank, verdict in comparison.rank_verdicts.items()},
         "first_divergence": optional_call_dict(comparison.first_divergence),
         "first_divergence_backward": optional_call_dict(comparison.first_divergence_backward),
         "culprits": [call_dict(culprit) for culprit in comparison.culprits],

@@ -1,8 +1,9 @@
 """Checkpoints: `<run>/checkpoints/<NNNNNN>/` after NNNNNN completed steps.
 
 Each holds `pretrained_model/` (LeRobot's layout: config.json + model.safetensors, loadable with
-`--pretrained`), `training_state.pt` (optimizer, scheduler, every RNG state, step) and
-`train_config.json`. Written to a temporary folder and renamed, so a checkpoint is whole or absent.
+`--pretrained`), `training_state.pt` (optimizer, scheduler, every rank's RNG states, step) and
+`train_config.json`; under `--engine deepspeed` the optimizer's state is DeepSpeed's, in its own
+files in `deepspeed/` (train/engines.py). Written to a temporary folder and renamed, so a checkpoint is whole or absent.
 A checkpoint loads on any device: tensors are read to the CPU and moved where the run computes,
 and the device's own generator is restored on the same kind of device only (PI0's noise is drawn
 from the CPU generator, which is restored everywhere).
@@ -10,6 +11,7 @@ from the CPU generator, which is restored everywhere).
 
 from __future__ import annotations
 
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 
 from pi0align.errors import UserError
+from pi0align.pi0.policy import load_weights, save_weights
 from pi0align.train.config import TrainConfig
 
 TRAINING_STATE = "training_state.pt"
@@ -28,24 +31,46 @@ def checkpoint_dir(run_dir: Path, steps_done: int) -> Path:
     return run_dir / "checkpoints" / f"{steps_done:06d}"
 
 
-def save(run_dir: Path, steps_done: int, *, policy, optimizer, scheduler, config: TrainConfig, device) -> Path:
+def rng_state(device) -> dict:
+    """Every generator of this process: python's, numpy's, torch's CPU one, the device's; in types
+    torch.load reads with `weights_only` (a checkpoint runs no code when it is read)."""
+    numpy_state = np.random.get_state(legacy=False)
+    numpy_state["state"]["key"] = torch.from_numpy(numpy_state["state"]["key"].astype(np.int64))
+    return {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state(),
+            "device": device.rng_state(), "device_type": device.type}
+
+
+def _set_rng_state(rng: dict, device) -> None:
+    numpy_state = rng["numpy"]
+    numpy_state["state"]["key"] = numpy_state["state"]["key"].numpy().astype(np.uint32)
+    random.setstate(rng["python"])
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(rng["torch"])
+    if rng["device_type"] == device.type:  # another kind of device has another generator
+        device.set_rng_state(rng["device"])
+
+
+def staging_dir(run_dir: Path, steps_done: int) -> Path:
+    """Where a checkpoint is written before it is renamed into place."""
     final = checkpoint_dir(run_dir, steps_done)
-    staging = final.with_name(final.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    policy.save_pretrained(staging / "pretrained_model")
+    return final.with_name(final.name + ".partial")
+
+
+def save(run_dir: Path, steps_done: int, *, policy, optimizer: dict | None, scheduler, config: TrainConfig,
+         rng: list[dict], staged: bool = False) -> Path:
+    """`optimizer`: its state_dict (None: the engine keeps it in the staging folder itself, which
+    `staged` says it has written); `rng`: every rank's rng_state, in rank order."""
+    final, staging = checkpoint_dir(run_dir, steps_done), staging_dir(run_dir, steps_done)
+    if not staged:
+        shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True, exist_ok=True)
+    save_weights(policy, staging / "pretrained_model")
     torch.save(
         {
             "steps_done": steps_done,
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer,
             "scheduler": scheduler.state_dict(),
-            "rng": {
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state(),
-                "device": device.rng_state(),
-                "device_type": device.type,
-            },
+            "rng": rng,
         },
         staging / TRAINING_STATE,
     )
@@ -75,21 +100,25 @@ def load_config(checkpoint: Path) -> TrainConfig:
         raise UserError(f"cannot read {checkpoint / CONFIG_FILE}: {error}") from None
 
 
-def restore(checkpoint: Path, *, policy, optimizer, scheduler, device) -> int:
-    """Load weights, optimizer, scheduler and RNG states; returns the number of steps already done."""
-    from pi0align.pi0.policy import load_weights
+def restore(checkpoint: Path, *, policy, optimizer, scheduler, device, rank: int = 0) -> int:
+    """Load weights, optimizer, scheduler (each where given: an engine may load them itself) and
+    this rank's RNG states; returns the number of steps already done."""
 
-    load_weights(policy, checkpoint / "pretrained_model")
     try:
-        state = torch.load(checkpoint / TRAINING_STATE, map_location="cpu", weights_only=False)
-    except (OSError, RuntimeError, EOFError) as error:
+        state = torch.load(checkpoint / TRAINING_STATE, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
         raise UserError(f"cannot read {checkpoint / TRAINING_STATE}: {error}") from None
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    rng = state["rng"]
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    if rng.get("device_type", device.type) == device.type:  # another kind of device has another generator
-        device.set_rng_state(rng["device"])
+    if optimizer is not None and state["optimizer"] is None:
+        raise UserError(f"{checkpoint} was written by --engine deepspeed: its optimizer state is DeepSpeed's "
+                        "(resume it with --engine deepspeed)")
+    if policy is not None:
+        load_weights(policy, checkpoint / "pretrained_model")
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    rng = state["rng"]  # one per rank
+    if rank >= len(rng):
+        raise UserError(f"{checkpoint} was saved by {len(rng)} process(es): it holds no rank {rank}")
+    _set_rng_state(rng[rank], device)
     return int(state["steps_done"])

@@ -7,21 +7,24 @@ from torch.utils.data import DataLoader, Sampler
 
 
 class StepBatchSampler(Sampler[list[int]]):
-    """Yields the index batches of steps `start_step`, `start_step + 1`, ... `steps - 1`.
+    """Yields the index batches of steps `start_step`, `start_step + 1`, ... `steps - 1`: of each
+    step's global batch (`batch_size` × `world_size` samples) the slice of `rank`.
 
     Each epoch is a permutation drawn from a generator seeded by (seed, epoch), dropping the last
-    partial batch as LeRobot's loader does; the training RNG is never touched.
+    partial global batch as LeRobot's loader does; the training RNG is never touched.
     """
 
-    def __init__(self, dataset_size: int, batch_size: int, seed: int, start_step: int, steps: int):
-        if batch_size > dataset_size:
-            raise ValueError(f"batch size {batch_size} exceeds the dataset's {dataset_size} frames")
+    def __init__(self, dataset_size: int, batch_size: int, seed: int, start_step: int, steps: int, rank: int = 0,
+                 world_size: int = 1):
+        if batch_size * world_size > dataset_size:
+            raise ValueError(f"the global batch {batch_size * world_size} exceeds the dataset's {dataset_size} frames")
         self.dataset_size = dataset_size
         self.batch_size = batch_size
         self.seed = seed
         self.start_step = start_step
         self.steps = steps
-        self.batches_per_epoch = dataset_size // batch_size
+        self.rank, self.world_size = rank, world_size
+        self.batches_per_epoch = dataset_size // (batch_size * world_size)
 
     def __len__(self) -> int:
         return max(0, self.steps - self.start_step)
@@ -34,12 +37,13 @@ class StepBatchSampler(Sampler[list[int]]):
                 epoch = step_epoch
                 generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
                 permutation = torch.randperm(self.dataset_size, generator=generator).tolist()
-            yield permutation[position * self.batch_size : (position + 1) * self.batch_size]
+            first = (position * self.world_size + self.rank) * self.batch_size
+            yield permutation[first : first + self.batch_size]
 
 
 def make_loader(dataset, *, batch_size: int, seed: int, start_step: int, steps: int, num_workers: int,
-                pin_memory: bool) -> DataLoader:
-    sampler = StepBatchSampler(len(dataset), batch_size, seed, start_step, steps)
+                pin_memory: bool, rank: int = 0, world_size: int = 1) -> DataLoader:
+    sampler = StepBatchSampler(len(dataset), batch_size, seed, start_step, steps, rank, world_size)
     return DataLoader(
         dataset,
         batch_sampler=sampler,

@@ -52,10 +52,31 @@ class ProgressDisplay:
     def update(self, record: dict, log_line: bool) -> None:
         self.progress.update(self.task, advance=1, loss=f"{record['loss']:.4f}", rate=f"{record['samples_per_s']:.1f}")
         if log_line:
-            self.progress.console.log(
-                f"step {record['step']} loss {record['loss']:.6f} grad_norm {record['grad_norm']:.4f} "
-                f"lr {record['lr']:.2e} {record['step_time_s'] * 1000:.0f}ms {record['samples_per_s']:.1f}img/s"
-            )
+            self.progress.console.log(step_line(record))
+
+
+def step_line(record: dict) -> str:
+    return (f"step {record['step']} loss {record['loss']:.6f} grad_norm {record['grad_norm']:.4f} "
+            f"lr {record['lr']:.2e} {record['step_time_s'] * 1000:.0f}ms {record['samples_per_s']:.1f}img/s")
+
+
+class RecipeLogs:
+    """What the case study's scripts leave for their tooling (`run --recipe`), in the run folder:
+    `train_<recipe>_<N>p_base_<dtype>.log`, every step's line as it ends, and
+    `Pi0_bs<batch>_<N>p_<acc|perf>.log`, the three summary lines (N processes, batch per process)."""
+
+    def __init__(self, out: Path, recipe: str, processes: int, batch_size: int, dtype: str, resumed: bool):
+        self.steps = out / f"train_{recipe}_{processes}p_base_{dtype}.log"
+        self.summary = out / f"Pi0_bs{batch_size}_{processes}p_{'acc' if recipe == 'accuracy' else 'perf'}.log"
+        if not resumed:
+            self.steps.write_text("")
+
+    def write(self, record: dict) -> None:
+        with self.steps.open("a") as handle:
+            handle.write(step_line(record) + "\n")
+
+    def finish(self, summary: dict) -> None:
+        self.summary.write_text("".join(line + "\n" for line in summary_lines(summary)))
 
 
 def warmup_steps(step_count: int) -> int:

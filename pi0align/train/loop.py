@@ -17,9 +17,10 @@ import torch
 from pi0align.device import Device, resolve
 from pi0align.errors import UserError
 from pi0align.seed import seed_all
-from pi0align.train import checkpoint
+from pi0align.train import checkpoint, distributed, engines
 from pi0align.train.config import TrainConfig
-from pi0align.train.log import MetricsLog, ProgressDisplay, summarize
+from pi0align.train.log import MetricsLog, ProgressDisplay, RecipeLogs, summarize
+from pi0align.train.profile import StepProfiler
 
 
 def default_out_dir(config: TrainConfig) -> Path:
@@ -31,91 +32,127 @@ def train(config: TrainConfig, dumper=None, resume_from: Path | None = None, sto
     """Train up to `stop_step` (default: the config's steps, which the schedule spans); returns the
     summary (also written to `<out>/summary.json`). `resume_from`: a checkpoint of this run to
     continue; `started_from`: another run's checkpoint to start from (`run --from`: its state on
-    this run's device)."""
+    this run's device). Under a launcher (distributed.launched), this process trains as its rank:
+    the policy in DDP on its slice of each global batch; rank 0 writes the log, the summary, the
+    manifest and the checkpoints."""
     started = time.perf_counter()
-    device = resolve(config.device)
+    ranks = distributed.launched()
+    device = resolve(distributed.device_of_rank(config.device, ranks))
+    distributed.start(ranks, device)
+    try:
+        return _train(config, ranks, device, dumper, resume_from, started_from, stop_step, started)
+    finally:
+        distributed.stop()
+
+
+def _train(config: TrainConfig, ranks: distributed.Ranks, device: Device, dumper, resume_from: Path | None,
+           started_from: Path | None, stop_step: int | None, started: float) -> dict:
+    if ranks.distributed:
+        config.nproc = ranks.local_world_size
+    if config.bind_cores:
+        distributed.bind_cores(ranks)
     torch.set_num_threads(config.threads)
     config.out = out = Path(config.out or default_out_dir(config))
 
-    components = build_components(config, device)  # checks the inputs: a bad one leaves no folder behind
-    policy, optimizer, scheduler = components["policy"], components["optimizer"], components["scheduler"]
-    manifest = components["manifest"]
+    components = build_components(config, device, ranks)  # checks the inputs: a bad one leaves no folder behind
+    policy, optimizer, manifest = components["policy"], components["optimizer"], components["manifest"]
+    trainer = engines.build(config.engine, policy=policy, optimizer=optimizer, scheduler=components["scheduler"],
+                            grad_clip_norm=policy.config.optimizer_grad_clip_norm, batch_size=config.batch_size,
+                            zero_stage=config.zero_stage, ranks=ranks, device=device)
     start_step = 0
     for source in (resume_from, started_from):
         if source is not None:
-            start_step = checkpoint.restore(source, policy=policy, optimizer=optimizer, scheduler=scheduler,
-                                            device=device)
+            start_step = trainer.restore(source)
     if started_from is not None:
         manifest["started_from"] = {"run": str(started_from.parent.parent), "step": start_step}
     stop_step = config.steps if stop_step is None else stop_step
     out.mkdir(parents=True, exist_ok=True)
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str) + "\n")
-    config.save(out / "train_config.json")
-    batches = iter(_make_loader(config, components["dataset"], start_step, device))
-    log = MetricsLog(out / "train_log.jsonl", keep_before=start_step)
-    grad_clip_norm = policy.config.optimizer_grad_clip_norm
+    if ranks.main:
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+        config.save(out / "train_config.json")
+    batches = iter(_make_loader(config, components["dataset"], start_step, device, ranks))
+    log = MetricsLog(out / "train_log.jsonl", keep_before=start_step) if ranks.main else None
+    recipe_logs = RecipeLogs(out, config.recipe, ranks.world_size, config.batch_size, config.dtype,
+                             resumed=start_step > 0) if config.recipe and ranks.main else None
+    profiler = StepProfiler(config.profile_steps, out / "profile", device)
+    global_batch = config.batch_size * ranks.world_size
 
     loop_started = time.perf_counter()
     # Leaving the dumper's context ends its writer threads, also when training fails.
-    with ProgressDisplay(stop_step, start_step, enabled=config.progress) as progress, \
+    with ProgressDisplay(stop_step, start_step, enabled=config.progress and ranks.main) as progress, \
             (dumper if dumper is not None else contextlib.nullcontext()):
         for step in range(start_step, stop_step):
             step_started = time.perf_counter()
             raw_batch = next(batches)
             data_time = time.perf_counter() - step_started
             if dumper is not None:  # around the step only: reading the dataset is not the model's work
-                dumper.start(policy, step=step, manifest=manifest, optimizer=optimizer)
+                dumper.start(policy, step=step, manifest=manifest, optimizer=trainer.dumped_optimizer)
             lr = optimizer.param_groups[0]["lr"]
-            loss, grad_norm = train_step(policy, components["preprocessor"](raw_batch), optimizer, scheduler,
-                                         grad_clip_norm)
+            profiler.before(step)
+            phase_started = time.perf_counter()
+            loss = trainer.forward_backward(components["preprocessor"](raw_batch))
+            device.synchronize()
+            forward_backward_time = time.perf_counter() - phase_started
+            grad_norm = trainer.step()
+            device.synchronize()
+            optimizer_time = time.perf_counter() - phase_started - forward_backward_time
             if dumper is not None:
                 dumper.record_metrics(step, loss=loss, grad_norm=grad_norm, lr=lr)
                 dumper.stop()
                 dumper.step()
+            top_ops = profiler.after(step)
+            loss = distributed.mean(loss, ranks)  # the global batch's
             device.synchronize()
             step_time = time.perf_counter() - step_started
-            record = log.write(step=step, loss=loss, grad_norm=grad_norm, lr=lr, step_time_s=step_time,
-                               data_time_s=data_time, samples_per_s=config.batch_size / step_time,
-                               time_s=time.perf_counter() - loop_started)
-            progress.update(record, log_line=config.log_every > 0 and (step + 1) % config.log_every == 0)
+            record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time_s": step_time,
+                      "data_time_s": data_time, "forward_backward_s": forward_backward_time,
+                      "optimizer_s": optimizer_time,
+                      "communication_s": trainer.communication_seconds(),
+                      "samples_per_s": global_batch / step_time, "time_s": time.perf_counter() - loop_started}
+            if ranks.main:
+                log.write(**record)
+                if recipe_logs:
+                    recipe_logs.write(record)
+                progress.update(record, log_line=config.log_every > 0 and (step + 1) % config.log_every == 0)
+                if top_ops:
+                    progress.console.print(f"profile of steps {config.profile}: the trace in {out / 'profile'}\n"
+                                           f"{top_ops}")
             steps_done = step + 1
             if steps_done == stop_step or (config.save_every and steps_done % config.save_every == 0):
-                checkpoint.save(out, steps_done, policy=policy, optimizer=optimizer, scheduler=scheduler,
-                                config=config, device=device)
+                states = distributed.gather(checkpoint.rng_state(device), ranks)  # every rank's generators
+                trainer.save(out, steps_done, config, states)
 
-    summary = summarize(log.records, batch_size=config.batch_size, e2e_seconds=time.perf_counter() - started)
-    summary |= {"out": str(out), "device": device.type, "seed": config.seed, "seed_impl": manifest["seed_impl"],
-                "parameter_count": manifest["parameter_count"],
-                "max_memory_allocated": device.max_memory_allocated()}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    summary = {}
+    if ranks.main:
+        summary = summarize(log.records, batch_size=global_batch, e2e_seconds=time.perf_counter() - started)
+        summary |= {"out": str(out), "device": device.type, "seed": config.seed, "seed_impl": manifest["seed_impl"],
+                    "parameter_count": manifest["parameter_count"], "world_size": ranks.world_size,
+                    "max_memory_allocated": device.max_memory_allocated()}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if recipe_logs:
+            recipe_logs.finish(summary)
+    return distributed.from_main(summary, ranks)
 
 
 def train_step(policy, batch, optimizer, scheduler, grad_clip_norm: float) -> tuple[float, float]:
-    """One optimizer step, as LeRobot's `update_policy` (without accelerate's mixed precision)."""
-    policy.train()
-    loss, _ = policy.forward(batch)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip_norm, error_if_nonfinite=False)
-    optimizer.step()
-    optimizer.zero_grad()
-    scheduler.step()
-    return loss.item(), grad_norm.item()
+    """One optimizer step of the bare policy in this process, as LeRobot's `update_policy` (without
+    accelerate's mixed precision); returns (loss, gradient norm before clipping)."""
+    trainer = engines.TorchEngine(policy=policy, optimizer=optimizer, scheduler=scheduler,
+                                  grad_clip_norm=grad_clip_norm, batch_size=None, zero_stage=0,
+                                  ranks=distributed.Ranks(), device=None)
+    loss = trainer.forward_backward(batch)
+    return loss, trainer.step()
 
 
-def build_components(config: TrainConfig, device: Device) -> dict:
-    """Dataset, policy (initialised from the seeded RNG), processors, optimizer, scheduler, manifest.
-
-    Inputs are checked first, so that a bad flag fails before anything slow or noisy runs.
-    """
-    from pi0align.pi0 import compat
-    from pi0align.pi0.dataset import check_dataset_root, default_dataset, fingerprint, load_dataset, policy_features
-    from pi0align.pi0.policy import build_policy, count_parameters, make_config, weights_file
+def check_inputs(config: TrainConfig) -> dict:
+    """The tokenizer, the pretrained weights and the dataset the config names, checked (each a one-line
+    error where it is missing or unreadable): preset, tokenizer, dataset root and its features."""
+    from pi0align.pi0.dataset import check_dataset_root, default_dataset, policy_features
+    from pi0align.pi0.policy import weights_file
     from pi0align.pi0.presets import PRESETS
-    from pi0align.pi0.processors import make_processors
     from pi0align.pi0.tokenizer import default_tokenizer, load_tokenizer
-    from pi0align.train.manifest import build_manifest
 
+    engines.check_available(config.engine)
     preset = PRESETS[config.preset]
     if config.tokenizer is not None:
         tokenizer = load_tokenizer(config.tokenizer)
@@ -131,29 +168,65 @@ def build_components(config: TrainConfig, device: Device) -> dict:
         weights_file(config.pretrained)
     dataset_root = Path(config.dataset) if config.dataset is not None else default_dataset()
     input_features, output_features = policy_features(check_dataset_root(dataset_root)["features"])
+    return {"preset": preset, "tokenizer": tokenizer, "dataset_root": dataset_root, "input_features": input_features,
+            "output_features": output_features}
+
+
+def build_components(config: TrainConfig, device: Device, ranks: distributed.Ranks | None = None) -> dict:
+    """Dataset, policy (initialised from the seeded RNG), processors, optimizer, scheduler, manifest.
+
+    Inputs are checked first, so that a bad flag fails before anything slow or noisy runs.
+    """
+    from pi0align.pi0 import compat
+    from pi0align.pi0.dataset import fingerprint, load_dataset
+    from pi0align.pi0.policy import build_policy, count_parameters, make_config
+    from pi0align.pi0.processors import make_processors
+    from pi0align.train.manifest import build_manifest
+
+    inputs = check_inputs(config)
+    preset, tokenizer, dataset_root = inputs["preset"], inputs["tokenizer"], inputs["dataset_root"]
+    input_features, output_features = inputs["input_features"], inputs["output_features"]
     probe_config = make_config(preset, input_features, output_features, device=str(device.torch_device),
                                dtype=config.dtype, lr=config.lr)
     dataset = load_dataset(dataset_root, probe_config)
-    if config.batch_size > len(dataset):
-        raise UserError(f"--batch-size {config.batch_size} exceeds the dataset's {len(dataset)} frames")
+    ranks = ranks or distributed.Ranks()
+    if config.batch_size * ranks.world_size > len(dataset):
+        raise UserError(f"--batch-size {config.batch_size} × {ranks.world_size} process(es) exceeds the dataset's "
+                        f"{len(dataset)} frames")
 
     seed_impl = seed_all(config.seed, mode=config.deterministic, rm_dropout=config.rm_dropout, prefer=config.seed_impl)
     policy = build_policy(config.preset, input_features, output_features, device=str(device.torch_device),
                           dtype=config.dtype, lr=config.lr, pretrained=config.pretrained)
     preprocessor, _ = make_processors(policy.config, dataset.meta.stats, tokenizer)
-    optimizer = policy.config.get_optimizer_preset().build(policy.get_optim_params())
+    optimizer = build_optimizer(policy, config.optimizer, device)
     scheduler = policy.config.get_scheduler_preset().build(optimizer, num_training_steps=config.steps)
     manifest = build_manifest(
         config=config, device=device, seed_impl=seed_impl, transformers_compat=compat.apply(), policy=policy,
         parameter_count=count_parameters(policy), dataset_root=dataset_root,
-        dataset_fingerprint=fingerprint(dataset_root),
+        dataset_fingerprint=fingerprint(dataset_root), world_size=ranks.world_size, rank=ranks.rank,
     )
     return {"dataset": dataset, "policy": policy, "preprocessor": preprocessor, "optimizer": optimizer,
             "scheduler": scheduler, "manifest": manifest}
 
 
-def _make_loader(config: TrainConfig, dataset, start_step: int, device: Device):
+def build_optimizer(policy, kind: str, device: Device) -> torch.optim.Optimizer:
+    """PI0's AdamW preset (`adamw`), or the same hyper-parameters in a fused AdamW (`adamw-fused`):
+    torch's (fused=True: one kernel for every parameter's update) or, on the NPU, torch_npu's
+    NpuFusedAdamW (the case study's +9.6 % samples/s)."""
+    preset = policy.config.get_optimizer_preset()
+    if kind == "adamw":
+        return preset.build(policy.get_optim_params())
+    settings = {"lr": preset.lr, "betas": preset.betas, "eps": preset.eps, "weight_decay": preset.weight_decay}
+    if device.type == "npu":
+        from torch_npu.optim import NpuFusedAdamW
+
+        return NpuFusedAdamW(policy.get_optim_params(), **settings)
+    return torch.optim.AdamW(policy.get_optim_params(), fused=True, **settings)
+
+
+def _make_loader(config: TrainConfig, dataset, start_step: int, device: Device, ranks: distributed.Ranks):
     from pi0align.train.data import make_loader
 
     return make_loader(dataset, batch_size=config.batch_size, seed=config.seed, start_step=start_step,
-                       steps=config.steps, num_workers=config.num_workers, pin_memory=device.type != "cpu")
+                       steps=config.steps, num_workers=config.num_workers, pin_memory=device.type != "cpu",
+                       rank=ranks.rank, world_size=ranks.world_size)

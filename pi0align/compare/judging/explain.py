@@ -24,7 +24,7 @@ from pi0align.compare.judging.identity import (
     gradient_sources,
     requires_grad,
 )
-from pi0align.compare.judging.judge import Judgement
+from pi0align.compare.judging.judge import Judgement, downstream
 from pi0align.compare.judging.modules import containing, enclosing_modules
 from pi0align.compare.judging.rootcause import call_directions, elementwise_errors, phases, row_error
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, looser_classes
@@ -108,20 +108,11 @@ def rows_of(rows: Table, calls: Table, selected: np.ndarray) -> np.ndarray:
 
 
 def _before_first(rows: Table, calls: Table, judgement: Judgement) -> np.ndarray:
-    """Rows that ran before the rank's first culprit, in execution order (by step, the step's
-    phase, then sequence): those after it may inherit its error, and stay failing where they
-    exceed their limits."""
-    before = np.ones(len(rows), bool)
-    row_phase, call_phase = phases(call_directions(rows)), phases(calls["direction"])
-    seq = rows["seq_a"].astype(np.float64)
-    for rank in np.unique(calls["rank"][judgement.culprit]).tolist():
-        guilty = judgement.culprit & (calls["rank"] == rank)
-        step, phase, first = min(zip(calls["step"][guilty].tolist(), call_phase[guilty].tolist(),
-                                     calls["seq_a"][guilty].tolist()))
-        after = (rows["step"] > step) | ((rows["step"] == step) & (
-            (row_phase > phase) | ((row_phase == phase) & ~(seq < first))))
-        before &= ~((rows["rank"] == rank) & after)
-    return before
+    """Rows that ran before the first culprit reached them (judge.downstream, its own rows
+    included): those after it may inherit its error, and stay failing where they exceed their
+    limits."""
+    return ~downstream(rows["rank"], rows["step"], phases(call_directions(rows)), rows["seq_a"], calls,
+                       judgement.culprit, inclusive=True)
 
 
 def _floors(rows: Table) -> np.ndarray:

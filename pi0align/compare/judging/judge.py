@@ -223,19 +223,40 @@ def stands_out(calls: Table) -> np.ndarray:
 
 
 def after_first(calls: Table, selected: np.ndarray) -> np.ndarray:
-    """Calls that ran after their rank's first selected call, in execution order (by step, the
-    step's phase, then sequence)."""
+    """Calls downstream of the first selected call (`downstream`, that call itself not)."""
     from pi0align.compare.judging.rootcause import phases
 
-    after = np.zeros(len(calls), bool)
-    phase = phases(calls["direction"])
-    for rank in np.unique(calls["rank"][selected]).tolist():
-        mine = selected & (calls["rank"] == rank)
-        step, first_phase, seq = min(zip(calls["step"][mine].tolist(), phase[mine].tolist(),
-                                         calls["seq_a"][mine].tolist()))
-        later = (calls["step"] > step) | ((calls["step"] == step) & (
-            (phase > first_phase) | ((phase == first_phase) & (calls["seq_a"] > seq))))
-        after |= (calls["rank"] == rank) & later
+    return downstream(calls["rank"], calls["step"], phases(calls["direction"]), calls["seq_a"], calls, selected)
+
+
+# the phases that read what every rank's backward made (DDP's all-reduced gradients)
+SHARED_PHASES = ("update", "optimizer")
+
+
+def downstream(rank: np.ndarray, step: np.ndarray, phase: np.ndarray, seq: np.ndarray, calls: Table,
+               selected: np.ndarray, inclusive: bool = False) -> np.ndarray:
+    """Of entries at (rank, step, phase of the step, seq), those that ran after the first selected
+    call of `calls` on their rank, in execution order (`inclusive`: that call's own too, and
+    entries without a sequence number at its step and phase), or that another rank's reached: the
+    ranks of one run train one model, so a call that parts a rank reaches every rank at the next
+    step, and at its own step in the phases that read the all-reduced gradients (SHARED_PHASES)."""
+    from pi0align.compare.judging.rootcause import PHASES, phases
+
+    after = np.zeros(len(rank), bool)
+    call_phase = phases(calls["direction"])
+    seq = np.asarray(seq, np.float64)
+    firsts = []
+    for own in np.unique(calls["rank"][selected]).tolist():
+        mine = selected & (calls["rank"] == own)
+        first = min(zip(calls["step"][mine].tolist(), call_phase[mine].tolist(), calls["seq_a"][mine].tolist()))
+        firsts.append(first)
+        later_seq = ~(seq < first[2]) if inclusive else seq > first[2]
+        later = (step > first[0]) | ((step == first[0]) & ((phase > first[1]) | ((phase == first[1]) & later_seq)))
+        after |= (rank == own) & later
+    if firsts:
+        step_first, phase_first, _ = min(firsts)
+        shared = min(PHASES.index(p) for p in SHARED_PHASES)
+        after |= (step > step_first) | ((step == step_first) & (phase >= shared) & (phase_first < shared))
     return after
 
 
