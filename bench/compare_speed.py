@@ -1,6 +1,6 @@
 """Speed of `pi0align compare` against msprobe's `msprobe compare`, measured side by side.
 
-    .venv/bin/python bench/compare_speed.py [--calls 1000,5000,20000] [--tensor-gb 1] [--quick]
+    .venv/bin/python bench/compare_speed.py [--calls 1000,5000,20000] [--tensor-gb 1] [--quick] [--check [--rounds 3]]
 
 1. the same msprobe dumps (statistics and tensor) of a small torch MLP made with msprobe's
    PrecisionDebugger on CPU: both tools as command-line processes (start-up included);
@@ -15,7 +15,11 @@
    replay (goal <= 2x), and the peak resident memory of both (goal <= 1.5 GiB).
 
 Prints one line per case with both times, each with its peak resident memory, and the ratio.
-Needs mindstudio-probe for cases 1-3 (skipped with a line when absent).
+Needs mindstudio-probe for cases 1-3 (skipped with a line when absent). `--check` measures the
+goals' cases --rounds times (tensor mode without replay ≥ 1.5 GiB/s per side; msprobe ÷ ours,
+CLI without HTML, ≥ 10× on its tensor dumps and ≥ 20× on its statistics dumps of case 1), prints
+each median with its noise (half the range over the rounds) and exits 1 when a goal is missed by
+more than that noise (bench/goals.py).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+from goals import Goal, judge, print_check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +48,12 @@ TIMEOUT = 600
 
 # ours as a bare process: start-up and compare_dumps, no report (ours_cli runs the command itself)
 OURS = ("import sys; from pi0align.compare import compare_dumps; "
-        "r = compare_dumps(sys.argv[1], sys.argv[2]); print(r.verdict, r.coverage)")
+        "r = compare_dumps(sys.argv[1], sys.argv[2], replay=sys.argv[3] == 'replay'); print(r.verdict, r.coverage)")
+TENSOR_GOAL = "tensor mode, no replay: GiB/s per side"
+GOALS = {TENSOR_GOAL: Goal(1.5, higher_is_better=True, unit=""),
+         "msprobe ÷ ours, its tensor dumps, CLI": Goal(10.0, higher_is_better=True),
+         "msprobe ÷ ours, its statistics dumps, CLI": Goal(20.0, higher_is_better=True)}
+MEASURED: dict[str, list[float]] = {name: [] for name in GOALS}  # a value per round
 
 
 class Timed(NamedTuple):
@@ -83,8 +93,8 @@ def _high_water_kb(pid: int) -> int:
         return 0
 
 
-def ours(a: Path, b: Path) -> Timed:
-    return timed([PYTHON, "-c", OURS, str(a), str(b)])
+def ours(a: Path, b: Path, replay: bool = True) -> Timed:
+    return timed([PYTHON, "-c", OURS, str(a), str(b), "replay" if replay else "no-replay"])
 
 
 def ours_cli(a: Path, b: Path, html: Path | None) -> Timed:
@@ -214,17 +224,22 @@ def write_big_dump(path: Path, gigabytes: float, seed: int) -> int:
     return count * elements * 4
 
 
-def tensor_throughput(work: Path, gigabytes: float) -> None:
+def tensor_throughput(work: Path, gigabytes: float, rounds: int) -> None:
     a, b = work / "big_a.h5", work / "big_b.h5"
     start = time.perf_counter()
     size = write_big_dump(a, gigabytes, 1)
     write_big_dump(b, gigabytes, 2)
     print(f"tensor mode: wrote 2 dumps of {size / 2**30:.2f} GiB tensor data each in "
           f"{time.perf_counter() - start:.0f} s", flush=True)
-    run = ours(a, b)
-    print(f"tensor mode: compared 2 x {size / 2**30:.2f} GiB in {run.seconds:.2f} s: "
-          f"{size / 2**30 / run.seconds:.2f} GiB/s per side ({2 * size / 2**30 / run.seconds:.2f} GiB/s both sides "
-          f"read), peak RSS {run.peak_gib:.2f} GiB", flush=True)
+    for _ in range(rounds):
+        for replay in (False, True):
+            run = ours(a, b, replay)
+            if not replay:
+                MEASURED[TENSOR_GOAL].append(size / 2**30 / run.seconds)
+            print(f"tensor mode, {'with' if replay else 'no'} replay: compared 2 x {size / 2**30:.2f} GiB in "
+                  f"{run.seconds:.2f} s: {size / 2**30 / run.seconds:.2f} GiB/s per side "
+                  f"({2 * size / 2**30 / run.seconds:.2f} GiB/s both sides read), peak RSS {run.peak_gib:.2f} GiB",
+                  flush=True)
 
 
 def replay_cost(work: Path, rounds: int, steps: int) -> None:
@@ -259,7 +274,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--tensor-only", action="store_true", help="only the tensor-mode throughput case")
     parser.add_argument("--replay-only", action="store_true", help="only the replay case")
+    parser.add_argument("--check", action="store_true", help="judge the goals; exit 1 when one is missed")
+    parser.add_argument("--rounds", type=int, default=3, help="with --check: rounds of the goals' cases")
     args = parser.parse_args()
+    rounds = args.rounds if args.check else 1
     sizes = [int(n) for n in args.calls.split(",")] if not args.quick else [1000]
     work = Path(tempfile.mkdtemp(prefix="compare_speed_"))
     try:
@@ -267,7 +285,7 @@ def main() -> None:
             replay_cost(work, 1 if args.quick else 2, 1 if args.quick else 2)
             return
         if MSPROBE and not args.tensor_only:
-            real_msprobe_dumps(work)
+            real_msprobe_dumps(work, rounds)
             for n in sizes:
                 a = write_synthetic_msprobe(work / f"syn{n}_a", n, seed=1)
                 b = write_synthetic_msprobe(work / f"syn{n}_b", n, seed=2)
@@ -286,14 +304,16 @@ def main() -> None:
             line(f"alignment, {n} calls, B +1% extra casts (default)", mine, theirs, f"(msprobe: {theirs.said})")
         elif not MSPROBE:
             print("msprobe not installed (.venv/bin/pip install mindstudio-probe): msprobe cases skipped")
-        tensor_throughput(work, 0.25 if args.quick else args.tensor_gb)
-        if not args.tensor_only:
+        tensor_throughput(work, 0.25 if args.quick else args.tensor_gb, rounds)
+        if not args.tensor_only and not args.check:
             replay_cost(work, 1 if args.quick else 2, 1 if args.quick else 2)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if args.check:
+        sys.exit(print_check([judge(name, values, GOALS[name]) for name, values in MEASURED.items() if values]))
 
 
-def real_msprobe_dumps(work: Path) -> None:
+def real_msprobe_dumps(work: Path, rounds: int) -> None:
     from pi0align.testing.dumpfactory import write_msprobe_dump
 
     for task in ("statistics", "tensor"):
@@ -304,13 +324,19 @@ def real_msprobe_dumps(work: Path) -> None:
         line(f"{task}, msprobe dumps of a 24-layer MLP", mine, theirs,
              f"(in-process ours {ours_in_process(a, b):.2f} s; ours: {mine.said[:90]}; msprobe: {theirs.said})")
         cli_lines(f"{task}, 24-layer MLP", a, b, theirs, work)
+        for _ in range(rounds - 1):
+            theirs = msprobe(step_a, step_b, work / f"out_real_{task}")
+            cli_lines(f"{task}, 24-layer MLP", a, b, theirs, work, html=False)
 
 
-def cli_lines(case: str, a: Path, b: Path, theirs: Timed, work: Path) -> None:
-    """The command-line tool on a case, with and without its HTML report, against msprobe's run."""
-    for label, html in (("CLI + HTML", work / "report.html"), ("CLI --no-html", None)):
-        mine = ours_cli(a, b, html)
+def cli_lines(case: str, a: Path, b: Path, theirs: Timed, work: Path, html: bool = True) -> None:
+    """The command-line tool on a case, with (unless not `html`) and without its HTML report,
+    against msprobe's run."""
+    for label, page in ((("CLI + HTML", work / "report.html"),) if html else ()) + (("CLI --no-html", None),):
+        mine = ours_cli(a, b, page)
         line(f"{case}, {label}", mine, theirs, f"(ours: {mine.said})")
+        if page is None and "24-layer" in case:
+            MEASURED[f"msprobe ÷ ours, its {case.split(',')[0]} dumps, CLI"].append(theirs.seconds / mine.seconds)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,12 @@ bytes written per dumped step, and the device ops each dump backend issues per r
 (counted by a TorchDispatchMode: the ops of a dumped step beyond those of the same step undumped;
 views are not counted, they launch nothing). The torch backend is what an accelerator runs.
 
-    .venv/bin/python bench/dump_overhead.py [--device cpu] [--preset small] [--rounds 5] [--batch-size 8]
+    .venv/bin/python bench/dump_overhead.py [--device cpu] [--preset small] [--rounds 5] [--batch-size 8] [--check]
+
+Each ratio is printed with its run-to-run noise (half the range over the rounds). `--check` also
+judges the goals (stats, sample and tensor at level mix ≤ 1.10×, 1.15×, 1.30×; idle ≤ 1.02×;
+device ops per recorded tensor on the torch backend ≤ 2) and exits 1 when one is missed by more
+than its noise (bench/goals.py).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from goals import Goal, judge, print_check
+
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 31),
               "MALLOC_TOP_PAD_": str(1 << 28), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 # variant -> (mode, level, backend); idle: started, but the step is not one to dump
@@ -39,6 +46,8 @@ OURS = {"idle": None, "stats": ("stats", "mix", "auto"), "stats, until written":
         "sample": ("sample", "mix", "auto"), "sample, until written": ("sample", "mix", "auto"),
         "tensor": ("tensor", "mix", "auto"), "tensor, uncompressed": ("tensor", "mix", "auto"),
         "tensor, until on disk": ("tensor", "mix", "auto")}
+GOALS = {"stats": Goal(1.10), "sample": Goal(1.15), "tensor": Goal(1.30), "idle": Goal(1.02)}
+OPS_GOAL = Goal(2.0, unit="")  # device ops per recorded tensor, torch backend, every level
 MSPROBE = {"msprobe L1 statistics": ("statistics", "L1"), "msprobe mix statistics": ("statistics", "mix"),
            "msprobe L1 tensor": ("tensor", "L1")}
 
@@ -101,7 +110,7 @@ def alternate(step_plain, variants: dict, rounds: int, settle: dict | None = Non
     return ratios
 
 
-def bench_ours(args, work: Path) -> list[tuple[str, float, float, int]]:
+def bench_ours(args, work: Path) -> list[tuple[str, list[float], float, int]]:
     from pi0align import Dumper
 
     policy, _, step = build(args, work / "run")
@@ -133,8 +142,7 @@ def bench_ours(args, work: Path) -> list[tuple[str, float, float, int]]:
     for dumper in dumpers.values():
         dumper.__exit__(None, None, None)
     plain_time = _plain_time(step)
-    return [(name, statistics.median(r), plain_time,
-             folder_bytes(_folder(work, name)) // counts[name] if OURS[name] else 0)
+    return [(name, r, plain_time, folder_bytes(_folder(work, name)) // counts[name] if OURS[name] else 0)
             for name, r in ratios.items()]
 
 
@@ -182,7 +190,7 @@ def device_ops_per_record(args, work: Path) -> dict[str, tuple[float, int]]:
     return out
 
 
-def bench_msprobe(args, work: Path, name: str) -> list[tuple[str, float, float, int]]:
+def bench_msprobe(args, work: Path, name: str) -> list[tuple[str, list[float], float, int]]:
     from msprobe.pytorch import PrecisionDebugger
 
     task, level = MSPROBE[name]
@@ -201,7 +209,54 @@ def bench_msprobe(args, work: Path, name: str) -> list[tuple[str, float, float, 
         count += 1
 
     ratios = alternate(step, {name: run}, args.rounds)
-    return [(name, statistics.median(ratios[name]), _plain_time(step), folder_bytes(out) // count)]
+    return [(name, ratios[name], _plain_time(step), folder_bytes(out) // count)]
+
+
+def profile_dumped_step(args, work: Path, steps: int = 5) -> None:
+    """Where a dumped step's extra time goes (stats, level mix): cProfile over `steps` plain steps
+    and as many dumped ones, the difference in own time grouped by the part of the code it is spent
+    in (dump's modules by file; torch and the model as one group each; C++ called from Python
+    counted in its Python caller)."""
+    import cProfile
+    import pstats
+
+    from pi0align import Dumper
+
+    policy, optimizer, step = build(args, work / "profile")
+    dumper = Dumper(work / "profiled", level="mix", mode="stats")
+
+    def dumped():
+        dumper.start(policy, optimizer=optimizer)
+        step()
+        dumper.step()
+        dumper.stop()
+
+    dumped()  # its first step makes what later ones reuse
+    own: dict[str, list[float]] = {}
+    for label, run in (("plain", step), ("dumped", dumped)):
+        profiler = cProfile.Profile()
+        profiler.runcall(lambda run=run: [run() for _ in range(steps)])
+        for (file, _, function), (_, _, tottime, _, _) in pstats.Stats(profiler).stats.items():
+            own.setdefault(_part(file, function), [0.0, 0.0])[label == "dumped"] += tottime / steps
+    dumper.close()
+    plain_total, dumped_total = (sum(times[i] for times in own.values()) for i in (0, 1))
+    print(f"a dumped step (stats, level mix) against a plain one, cProfile, {steps} steps each: "
+          f"{dumped_total:.3f} s against {plain_total:.3f} s (profiled, so both slower than unprofiled)")
+    print(f"{'part':48s} {'extra s/step':>12s} {'share':>6s}")
+    extra = sorted(((times[1] - times[0], part) for part, times in own.items()), reverse=True)
+    for seconds, part in extra[:14]:
+        print(f"{part:48s} {seconds:12.4f} {seconds / (dumped_total - plain_total):6.0%}")
+
+
+def _part(file: str, function: str) -> str:
+    """A profiled function's part: a dump module by file name, else a coarse group."""
+    if "pi0align/dump/" in file:
+        return f"pi0align.dump.{Path(file).stem}.{function}"
+    if "torch" in file or file == "~" and "torch" in function:
+        return "torch (Python and C++ called from it)"
+    if "lerobot" in file or "transformers" in file:
+        return "the model's own Python"
+    return "other" if file != "~" else f"built-in: {function}"[:48]
 
 
 def _plain_time(step) -> float:
@@ -229,6 +284,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--skip-msprobe", action="store_true")
+    parser.add_argument("--check", action="store_true", help="judge the goals; exit 1 when one is missed")
+    parser.add_argument("--profile", action="store_true",
+                        help="only profile a dumped step (stats, level mix) against a plain one, by part")
     parser.add_argument("--msprobe-variant", help=argparse.SUPPRESS)  # internal: one msprobe variant, JSON out
     args = parser.parse_args()
     if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
@@ -238,6 +296,9 @@ def main() -> int:
     try:
         if args.msprobe_variant:
             print(json.dumps(bench_msprobe(args, work, args.msprobe_variant)))
+            return 0
+        if args.profile:
+            profile_dumped_step(args, work)
             return 0
         rows = bench_ours(args, work)
         ops = device_ops_per_record(args, work)
@@ -259,16 +320,20 @@ def main() -> int:
 
     print(f"preset {args.preset}, batch {args.batch_size}, {args.device}, 1 CPU thread, {args.rounds} rounds "
           f"(median of dumped/plain step-time ratios)")
-    print(f"{'variant':28s} {'ratio':>7s} {'plain step s':>13s} {'bytes/step':>12s}")
-    for name, ratio, plain, size in rows:
-        print(f"{name:28s} {ratio:7.2f} {plain:13.3f} {size:12,d}")
+    print(f"{'variant':28s} {'ratio':>7s} {'± noise':>8s} {'plain step s':>13s} {'bytes/step':>12s}")
+    judged = {name: judge(name, ratios, GOALS.get(name, Goal(float("inf")))) for name, ratios, _, _ in rows}
+    for name, _, plain, size in rows:
+        print(f"{name:28s} {judged[name].median:7.2f} {judged[name].noise:8.2f} {plain:13.3f} {size:12,d}")
     for variant, (per_record, records) in ops.items():
         print(f"device ops per recorded tensor, {variant}: {per_record:.2f} ({records} records a step)")
-    ours = {name: ratio for name, ratio, _, _ in rows}
-    if "msprobe L1 statistics" in ours:
+    if "msprobe L1 statistics" in judged:
         print(f"msprobe L1 statistics overhead / ours (stats): "
-              f"{(ours['msprobe L1 statistics'] - 1) / max(ours['stats'] - 1, 1e-9):.1f}x")
-    return 0
+              f"{(judged['msprobe L1 statistics'].median - 1) / max(judged['stats'].median - 1, 1e-9):.1f}x")
+    if not args.check:
+        return 0
+    return print_check([judged[name] for name in GOALS] + [
+        judge(f"device ops per recorded tensor, {variant}", [per_record], OPS_GOAL)
+        for variant, (per_record, _) in ops.items() if variant.startswith("torch")])
 
 
 if __name__ == "__main__":

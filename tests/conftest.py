@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
 import subprocess
@@ -56,6 +58,25 @@ def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subpro
         [sys.executable, "-m", "pi0align.cli.main", *map(str, args)],
         capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})},
     )
+
+
+def run_clis(*commands: tuple) -> list[subprocess.CompletedProcess]:
+    """Independent `pi0align` commands at once, as many as there are cores (each run is mostly one
+    thread: a fixture's runs take half the time on two cores)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return list(pool.map(lambda command: run_cli(*command), commands))
+
+
+def pi0align(*args) -> tuple[int, str]:
+    """`pi0align ARGS` in this process, for the torch-free commands, which are fast: exit code, stderr."""
+    from pi0align.cli.main import main
+
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        code = main([str(a) for a in args])
+    return code, stderr.getvalue()
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str, exit_code: int = 2) -> None:

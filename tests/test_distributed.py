@@ -156,6 +156,7 @@ def test_the_hostfile_command_writes_the_file_or_says_what_is_missing(tmp_path):
 # -- profiling and the tuning switches -------------------------------------------------------------
 
 
+@pytest.mark.slow  # a run in a process of its own, profiled
 def test_profile_writes_a_trace_the_profilers_tools_read(tmp_path):
     done = run_cli("run", "--preset", "tiny", "--batch-size", "2", "--threads", "1", "--no-progress", "--log-every",
                    "0", "--steps", "3", "--profile", "1:3", "--out", tmp_path / "run")
@@ -168,6 +169,7 @@ def test_profile_writes_a_trace_the_profilers_tools_read(tmp_path):
     assert_one_line_error(run_cli("run", "--preset", "tiny", "--profile", "3:1"), "--profile")
 
 
+@pytest.mark.slow  # two runs, one of two processes: half a minute
 def test_fused_adamw_and_core_binding_are_in_the_manifest_and_env_diff(tmp_path):
     flags = ("--preset", "tiny", "--batch-size", "2", "--threads", "1", "--no-progress", "--log-every", "0",
              "--steps", "2", "--dump-steps", "0-1")
@@ -192,6 +194,7 @@ def test_fused_adamw_and_core_binding_are_in_the_manifest_and_env_diff(tmp_path)
 # -- recipes ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a run in a process of its own
 def test_a_recipe_sets_the_case_studys_values_and_writes_its_log_files(tmp_path):
     import argparse
 

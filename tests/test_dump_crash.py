@@ -11,8 +11,11 @@ import time
 
 import h5py
 import hdf5plugin  # noqa: F401 - the tensors' Zstandard filter
+import numpy as np
 import pytest
 from conftest import REPO
+
+from pi0align.compare.reading.open_dump import open_run
 
 CHILD = """
 import sys
@@ -75,3 +78,32 @@ def _holds_steps(folder, count: int) -> bool:
             return all(f"{s:06d}" in f["steps"] for s in range(count)) and len(f["metrics/step"]) >= count
     except (OSError, KeyError):
         return False
+
+
+def test_a_writer_killed_in_the_middle_of_appends_leaves_every_step_it_finished(tmp_path):
+    """SIGKILL at arbitrary moments of a writer appending large steps (most of its time is inside
+    an append): each time, the dump opens and holds every step the writer said it had appended,
+    each complete."""
+    killed_inside_an_append = 0
+    for attempt, delay in enumerate(np.random.default_rng(0).uniform(0, 0.4, 12)):
+        path = tmp_path / f"{attempt}" / "dump.h5"
+        child = subprocess.Popen([sys.executable, "-m", "pi0align.testing.appender", str(path), "1000", "200"],
+                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        appended = -1
+        for line in child.stdout:
+            appended = int(line.split()[1])
+            if appended == 1:
+                break
+        time.sleep(delay)
+        child.send_signal(signal.SIGKILL)
+        appended = max([appended, *(int(line.split()[1]) for line in child.stdout)])
+        child.wait()
+        killed_inside_an_append += (path.parent / "dump.h5.journal").exists()
+        (dump,) = open_run(path).values()
+        steps = sorted(set(dump.records["step"]))
+        assert steps[:appended + 1] == list(range(appended + 1)) and len(steps) <= appended + 2
+        assert not dump.notes  # no step left incomplete
+        dump.close()
+        if killed_inside_an_append >= 3:
+            break
+    assert killed_inside_an_append >= 3, "the kills did not land inside appends"

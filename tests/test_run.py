@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, assert_one_line_error, run_cli
+from conftest import REPO, assert_one_line_error, run_cli, run_clis
 
 TINY = ("--preset", "tiny", "--batch-size", "4", "--threads", "2", "--no-progress", "--log-every", "0")
 SUMMARY_KEYS = {"steps", "final_loss", "final_grad_norm", "images_per_sec", "mean_step_time_s", "e2e_seconds", "out",
@@ -32,12 +32,12 @@ def losses(run_dir: Path) -> list[tuple[float, float]]:
 def seeded_runs(tmp_path_factory):
     """Two runs with seed 1234 (4 steps, checkpoint every 2) and one with seed 99."""
     base = tmp_path_factory.mktemp("runs")
-    results = {}
-    for name, seed in (("first", 1234), ("second", 1234), ("other_seed", 99)):
-        result = run_cli("run", *TINY, "--steps", "4", "--save-every", "2", "--seed", seed, "--out", base / name)
+    names = {"first": 1234, "second": 1234, "other_seed": 99}
+    done = run_clis(*(("run", *TINY, "--steps", "4", "--save-every", "2", "--seed", seed, "--out", base / name)
+                      for name, seed in names.items()))
+    for result in done:
         assert result.returncode == 0, result.stderr
-        results[name] = (base / name, result)
-    return results
+    return {name: (base / name, result) for name, result in zip(names, done)}
 
 
 def test_same_seed_gives_bit_identical_losses_and_grad_norms(seeded_runs):

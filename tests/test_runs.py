@@ -8,7 +8,7 @@ import json
 import shutil
 
 import pytest
-from conftest import REPO, assert_one_line_error, run_cli
+from conftest import REPO, assert_one_line_error, run_cli, run_clis
 
 from pi0align.compare import compare_dumps
 from pi0align.compare.reading.open_dump import open_run
@@ -27,17 +27,15 @@ def runs(tmp_path_factory):
     started from the base's checkpoint at step 2, one step each, step 2 dumped, at 1 and 2 threads."""
     root = tmp_path_factory.mktemp("runs")
     plain = (*TINY, "--steps", "4", "--threads", "1", "--save-every", "1")
-    made = {}
-    for name, extra in (("base", ("--dump-steps", "2")), ("same", ("--dump-steps", "2")),
-                        ("seed_and_lr", ("--seed", "7", "--lr", "1e-3")), ("lr", ("--lr", "1e-3"))):
-        done = run_cli("run", *plain, *extra, "--out", root / name)
+    made = {name: root / name for name in ("base", "same", "seed_and_lr", "lr", "from", "from_2_threads")}
+    runs = run_clis(*(("run", *plain, *extra, "--out", made[name]) for name, extra in (
+        ("base", ("--dump-steps", "2")), ("same", ("--dump-steps", "2")),
+        ("seed_and_lr", ("--seed", "7", "--lr", "1e-3")), ("lr", ("--lr", "1e-3")))))
+    runs += run_clis(*(("run", "--from", made["base"], "--at", "2", "--dump-steps", "2", "--threads", threads,
+                        "--no-progress", "--log-every", "0", "--out", made[name])
+                       for name, threads in (("from", "1"), ("from_2_threads", "2"))))
+    for done in runs:
         assert done.returncode == 0, done.stderr
-        made[name] = root / name
-    for name, threads in (("from", "1"), ("from_2_threads", "2")):
-        done = run_cli("run", "--from", made["base"], "--at", "2", "--dump-steps", "2", "--threads", threads,
-                       "--no-progress", "--log-every", "0", "--out", root / name)
-        assert done.returncode == 0, done.stderr
-        made[name] = root / name
     return made
 
 

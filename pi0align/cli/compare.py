@@ -47,13 +47,16 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from pi0align.compare import calibrate, compare_dumps, load_thresholds, parse_overrides
-    from pi0align.errors import UserError
+    from pi0align.errors import UserError, check_writable
     from pi0align.report import print_summary, progress_bar, write_csv, write_json
 
     if args.top < 0:
         raise UserError("--top must be 0 or more")
     if args.html and args.no_html:
         raise UserError("--html and --no-html contradict each other; give one")
+    for output in (args.csv, args.json, args.html):
+        if output:
+            check_writable(output)  # said now, not after a long compare
     if not args.no_html:
         from pi0align.report import plotly_js
 

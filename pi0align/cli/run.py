@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pi0align.cli.steps import parse_steps
 from pi0align.dump.file_format import BACKENDS, LEVELS, MODES
-from pi0align.errors import UserError
+from pi0align.errors import UserError, check_writable
 
 SECTIONS = {"run": "run", "inputs": "inputs (all local; nothing is downloaded)", "seeding": "seeding",
             "scale": "processes, profiling and tuning"}
@@ -147,11 +147,13 @@ def main(args) -> int:
 
         check_inputs(config)  # a bad input is one line here, not one per process
         # every process writes to one folder: named here, once
-        out = [] if config.out is not None else ["--out", str(default_out_dir(config))]
-        return distributed.launch([*args.argv, *out], config.nproc)
+        out = Path(config.out or default_out_dir(config))
+        check_writable(out)
+        return distributed.launch([*args.argv, *([] if config.out is not None else ["--out", str(out)])], config.nproc)
     if launched and config.out is None:
         raise UserError("under a launcher every process writes to one run folder: give --out DIR")
     config.out = Path(config.out or default_out_dir(config))
+    check_writable(config.out)
     dumper = make_dumper(args, config.out, config.seed)
 
     import datasets

@@ -95,6 +95,7 @@ def _compare(path_a: str | Path, path_b: str | Path, thresholds: dict, steps: It
                 if all(not len(run.records) for run in runs.values()):
                     listed = ", ".join(map(str, sorted(wanted)[:10]))
                     raise UserError(f"{path} holds none of the steps asked for ({listed})")
+        _check_steps_in_common(opened, paths)
         if noise is not None:
             check_reference(runs_a, opened[2], path_a, noise)
         replay &= all(runs[r].mode == "tensor" for runs in (runs_a, runs_b) for r in runs)
@@ -109,6 +110,38 @@ def _compare(path_a: str | Path, path_b: str | Path, thresholds: dict, steps: It
     finally:
         for runs in opened:
             _close(runs)
+
+
+PAIRED = ("matched", "realigned", "shape_mismatch", "dtype_mismatch")  # a record with its counterpart
+
+
+def _check_steps_in_common(opened: list[dict[int, Dump]], paths: list) -> None:
+    """Two dumps with no step in common have nothing to compare: never "aligned"."""
+    steps = []
+    for path, runs in zip(paths, opened):
+        held = {int(s) for run in runs.values() for s in np.unique(run.records["step"])}
+        if not held:
+            notes = [n for run in runs.values() for n in run.notes]
+            raise UserError(f"{path} holds no complete dumped step" + (f" ({notes[0]})" if notes else ""))
+        steps.append(held)
+    if not set.intersection(*steps):
+        raise UserError(f"no step in common: {paths[0]} holds steps {_listed(steps[0])}, {paths[1]} steps "
+                        f"{_listed(steps[1])} (runs are compared at the same steps: give both the same --dump-steps)")
+
+
+def _listed(steps: set[int]) -> str:
+    ordered = sorted(steps)
+    return ", ".join(map(str, ordered[:5])) + (f", ... ({len(ordered)} in all)" if len(ordered) > 5 else "")
+
+
+def _check_something_matched(rows: Table, source_a: str, source_b: str) -> None:
+    """Dumps in which no record pairs with one of the other (other models, other names) are not
+    two runs of one training: never "aligned"."""
+    if isin(rows["pairing"], PAIRED).any():
+        return
+    example = {side: next(iter(rows["name"][rows["pairing"] == f"only_{side}"]), "nothing") for side in "ab"}
+    raise UserError(f"no record of {source_a} pairs with one of {source_b} in the steps they share: A's calls are "
+                    f"named like {example['a']!r}, B's like {example['b']!r} (dumps of different models?)")
 
 
 def _close(runs: dict[int, Dump]) -> None:
@@ -347,6 +380,7 @@ def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, r
     (verdict.py), the call table (rootcause.py), the judgement of each call (judge.py), and which
     failing rows the noise model explains (explain.py)."""
     rows = Table.concat([p[0] for p in parts])
+    _check_something_matched(rows, source_a, source_b)
     notes = [n for dump in list(runs_a.values()) + list(runs_b.values()) for n in dump.notes]
     notes += [n for p in parts for n in p[1]]
     stack_lookups = {rank: _stack_lookup(dump) for rank, dump in runs_a.items()}  # rank -> (step, seq) -> frames
@@ -386,7 +420,7 @@ def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, r
     # different initial weights make every later agreement accidental: never "aligned"
     weights_differ = _weights_differ(diff) or bool(
         (judgement.culprit & (calls["kind"] == "initial_weights")).any())
-    coverage = {"matched": int(isin(pairing, ["matched", "realigned", "shape_mismatch", "dtype_mismatch"]).sum()),
+    coverage = {"matched": int(isin(pairing, PAIRED).sum()),
                 "only_a": int((pairing == "only_a").sum()), "only_b": int((pairing == "only_b").sum())}
     coverage.update({label: int((pairing == label).sum())
                      for label in ("realigned", "shape_mismatch", "dtype_mismatch")})

@@ -1,7 +1,7 @@
 """The dump file's layout (docs/dump-format.md): created once, then appended to at each dumped
 step's end, each time opened, written, flushed and closed again, so that between writes the file
-on disk is complete and closed. Imports neither torch nor the rest of pi0align: the writer
-process (writer_process.py) runs it."""
+on disk is complete and closed; an append is all or nothing (journal.py). Imports neither torch
+nor the rest of pi0align but its journal: the writer process (writer_process.py) runs it."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 from h5py import h5d, h5s, h5t
+
+from pi0align.dump import journal
 
 FORMAT = "pi0align-dump"
 VERSION = 1
@@ -88,23 +90,27 @@ class StepTables:
 
 
 def create(path: Path, attrs: dict, manifest: dict) -> None:
-    """A new dump file (replacing any earlier one): root attributes, manifest, empty tables."""
+    """A new dump file (replacing any earlier one, whole: it is written aside, then renamed):
+    root attributes, manifest, empty tables."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with h5py.File(path, "w") as f:
+    partial = path.with_name(path.name + ".partial")
+    with h5py.File(partial, "w") as f:
         f.attrs.update({"format": FORMAT, "version": VERSION, **attrs})
         f.create_dataset("manifest", data=json.dumps(manifest, default=repr), dtype=STR)
         for column, dtype in METRIC_TYPES.items():
             f.create_dataset(f"metrics/{column}", shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
         f.create_dataset("stacks/stack_id", shape=(0,), maxshape=(None,), dtype=np.int32, chunks=(256,))
         f.create_dataset("stacks/frames", shape=(0,), maxshape=(None,), dtype=STR, chunks=(256,))
+    journal.journal_path(path).unlink(missing_ok=True)  # an earlier file's: it must not undo this one
+    os.replace(partial, path)
 
 
 def append(path: Path, tables: StepTables | None, stacks: list[tuple[int, str]], metrics: list[tuple],
            tensors_file: str | None) -> None:
     """Open the file, append new stacks and metric rows and, when given, one complete step, flush
-    and close it again."""
-    with h5py.File(path, "a") as f:
-        ensure_room(f, _bytes_needed(tables, stacks, metrics))
+    and close it again; all of it or, when the process is killed first, none of it."""
+    with journal.appending(path) as file, h5py.File(file, "a") as f:
+        ensure_room(file.fileno(), 2 * _bytes_needed(tables, stacks, metrics))  # the journal's copy too
         if stacks:
             _append(f["stacks/stack_id"], [s for s, _ in stacks])
             _append(f["stacks/frames"], [frames for _, frames in stacks])
@@ -197,11 +203,10 @@ def _fixed_length(values: np.ndarray) -> np.ndarray | None:
 WRITE_ERRORS = (OSError, RuntimeError)  # h5py reports some failed writes (a full disk) as RuntimeError
 
 
-def ensure_room(file: h5py.File, nbytes: int) -> None:
-    """Raise OSError unless the disk and the process's file size limit leave `nbytes` for this
-    file: HDF5 (2.0) crashes the process when it flushes a file whose writes failed, so a full
-    disk must fail here, before HDF5 writes."""
-    handle = file.id.get_vfd_handle()
+def ensure_room(handle: int, nbytes: int) -> None:
+    """Raise OSError unless the disk and the process's file size limit leave `nbytes` for the file
+    open as `handle`: HDF5 (2.0) crashes the process when it flushes a file whose writes failed, so
+    a full disk must fail here, before HDF5 writes."""
     disk = os.fstatvfs(handle)
     if disk.f_bavail * disk.f_frsize < nbytes:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

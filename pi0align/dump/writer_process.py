@@ -71,7 +71,7 @@ class _Store:
                 else:
                     offset, nbytes = where
                     data = np.frombuffer(self.ring, stored, nbytes // stored.itemsize, offset)
-                ensure_room(self.file, data.nbytes + (1 << 16))
+                ensure_room(self.file.id.get_vfd_handle(), data.nbytes + (1 << 16))
                 write_tensor_dataset(self.file, name, data.reshape(shape), dtype, self.compress)
             elif kind == "close" and not self.failed:
                 file, self.file = self.file, None

@@ -101,7 +101,12 @@ def load_weights(policy, directory: Path) -> None:
     # LeRobot's own key fixes for openpi-converted checkpoints, then its "model." prefix.
     state_dict = policy._fix_pytorch_state_dict_keys(state_dict, policy.config)
     state_dict = {key if key.startswith("model.") else f"model.{key}": value for key, value in state_dict.items()}
-    missing, unexpected = policy.load_state_dict(state_dict, strict=False)
+    try:
+        missing, unexpected = policy.load_state_dict(state_dict, strict=False)
+    except RuntimeError as error:  # a tensor of another shape: another preset's weights
+        lines = str(error).splitlines()
+        detail = next((line.strip() for line in lines if "size mismatch" in line), lines[0] if lines else "")
+        raise UserError(f"weights in {weights_file_path} do not fit this preset: {detail}") from None
     # Tied weights (PaliGemma's embedding and lm_head) are saved once: a missing key is fine when
     # it shares storage with a key that was loaded.
     current = policy.state_dict()
@@ -109,8 +114,8 @@ def load_weights(policy, directory: Path) -> None:
     missing = [key for key in missing if current[key].data_ptr() not in loaded_storage]
     if missing or unexpected:
         raise UserError(
-            f"weights in {directory} do not fit this preset: {len(missing)} missing, {len(unexpected)} unexpected "
-            f"keys (first: {(missing or unexpected)[0]})"
+            f"weights in {weights_file_path} do not fit this preset: {len(missing)} missing, {len(unexpected)} "
+            f"unexpected keys (first: {(missing or unexpected)[0]})"
         )
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from pi0align.errors import UserError
+from pi0align.errors import UserError, check_writable
 from pi0align.runs.curves import TOLERANCE, compare_curves
 from pi0align.runs.envdiff import env_diff
 from pi0align.runs.folder import LOG, MANIFEST, SUMMARY, Run, read_run
@@ -158,6 +158,7 @@ def save_baseline(run: Run, name: str, root: str | Path = "baselines", descripti
     if not name or "/" in name or name.startswith("."):
         raise UserError(f"a baseline's name is one folder name, not {name!r}")
     target = Path(root) / name
+    check_writable(target)
     target.mkdir(parents=True, exist_ok=True)
     for file in (LOG, SUMMARY, MANIFEST):
         if (run.path / file).is_file():

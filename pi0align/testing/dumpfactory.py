@@ -208,7 +208,7 @@ def write_dump(path: str | Path, steps: list[Step], *, mode: str = "stats", samp
             tensors_file = file_format.tensors_file(path, s.step)
             (path.parent / tensors_file).parent.mkdir(parents=True, exist_ok=True)
         known = len(stack_ids)
-        tables = _step_tables(s, mode, sample_size, stack_ids, path.parent / tensors_file if tensors_file else None)
+        tables = step_tables(s, mode, sample_size, stack_ids, path.parent / tensors_file if tensors_file else None)
         stacks = [(i, json.dumps(list(frames))) for frames, i in stack_ids.items() if i >= known]
         file_format.append(path, tables, stacks, [(s.step, s.loss, s.grad_norm, s.lr)], tensors_file)
         if not complete:
@@ -217,7 +217,7 @@ def write_dump(path: str | Path, steps: list[Step], *, mode: str = "stats", samp
     return path
 
 
-def _step_tables(s: Step, mode: str, sample_size: int, stack_ids: dict,
+def step_tables(s: Step, mode: str, sample_size: int, stack_ids: dict,
                  tensors_path: Path | None) -> file_format.StepTables:
     calls = {k: [] for k in file_format.CALL_TYPES}
     records = {k: [] for k in file_format.RECORD_TYPES}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pickle
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -105,9 +106,14 @@ def restore(checkpoint: Path, *, policy, optimizer, scheduler, device, rank: int
     this rank's RNG states; returns the number of steps already done."""
 
     try:
-        state = torch.load(checkpoint / TRAINING_STATE, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
-        raise UserError(f"cannot read {checkpoint / TRAINING_STATE}: {error}") from None
+        with warnings.catch_warnings():  # torch's on a pickle of an unexpected protocol: the error says it
+            warnings.simplefilter("ignore")
+            state = torch.load(checkpoint / TRAINING_STATE, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise UserError(f"cannot read {checkpoint / TRAINING_STATE}: it holds objects other than tensors and plain "
+                        "data (not a checkpoint pi0align wrote; such objects are never unpickled)") from None
+    except (OSError, RuntimeError, EOFError) as error:
+        raise UserError(f"cannot read {checkpoint / TRAINING_STATE}: {str(error).splitlines()[0]}") from None
     if optimizer is not None and state["optimizer"] is None:
         raise UserError(f"{checkpoint} was written by --engine deepspeed: its optimizer state is DeepSpeed's "
                         "(resume it with --engine deepspeed)")

@@ -89,6 +89,10 @@ def _load_json(path: Path) -> Any:
         raise UserError(f"{path}: cannot read msprobe JSON ({error})") from None
 
 
+# What malformed msprobe JSON (a field missing, a value of another type) raises while it is read.
+_MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError)
+
+
 def _read_rank(root: Path, rank: int, folders: list[tuple[int, Path]]) -> Dump:
     tables, stacks, modes = [], {}, set()
     for step, folder in sorted(folders):
@@ -96,17 +100,23 @@ def _read_rank(root: Path, rank: int, folders: list[tuple[int, Path]]) -> Dump:
         if not isinstance(dump, dict) or not isinstance(dump.get("data"), dict):
             raise UserError(f"{folder / 'dump.json'}: not an msprobe dump.json (no 'data' object)")
         task = dump.get("task", "")
-        if task not in _MODES:
+        if not isinstance(task, str) or task not in _MODES:
             raise UserError(f"{folder / 'dump.json'}: msprobe task {task!r} is not supported "
                             f"(supported: {', '.join(_MODES)})")
         if dump.get("framework", "pytorch") != "pytorch":
             raise UserError(f"{folder / 'dump.json'}: msprobe framework {dump.get('framework')!r} is not supported")
         modes.add(_MODES[task])
         construct = _load_json(folder / "construct.json") if (folder / "construct.json").exists() else {}
+        if not isinstance(construct, dict):
+            raise UserError(f"{folder / 'construct.json'}: not an msprobe construct.json (not an object)")
         frames = _read_stacks(folder / "stack.json") if (folder / "stack.json").exists() else {}
-        step_records = _StepRecords(step, construct or {}, frames)
-        step_records.read(dump["data"])
-        tables.append(step_records.table(rank, folder / "dump_tensor_data"))
+        step_records = _StepRecords(step, construct, frames)
+        try:
+            step_records.read(dump["data"])
+            tables.append(step_records.table(rank, folder / "dump_tensor_data"))
+        except _MALFORMED as error:
+            raise UserError(f"{folder / 'dump.json'}: not as msprobe writes it "
+                            f"({type(error).__name__}: {error})") from None
         stacks.update(step_records.stacks)
     mode = "tensor" if modes == {"tensor"} else "stats"
     return Dump(source=str(root), mode=mode, rank=rank, records=Table.concat(tables) if tables else no_records(),
@@ -115,26 +125,43 @@ def _read_rank(root: Path, rank: int, folders: list[tuple[int, Path]]) -> Dump:
 
 
 def _load_tensor(path: Path):
-    if path.suffix == ".npy":
-        return np.load(path, mmap_mode="r")
-    import torch  # only for msprobe's .pt tensor files
+    """One of msprobe's tensor files; what is not a tensor (a pickled object among them) is refused
+    unread."""
+    import pickle
+    import warnings
 
-    tensor = torch.load(path, map_location="cpu", weights_only=True)
-    return tensor.float().numpy() if tensor.is_floating_point() else tensor.numpy()
+    try:
+        if path.suffix == ".npy":
+            return np.load(path, mmap_mode="r")
+        import torch  # only for msprobe's .pt tensor files
+
+        with warnings.catch_warnings():  # torch's on a pickle of an unexpected protocol: the error says it
+            warnings.simplefilter("ignore")
+            tensor = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"holds a {type(tensor).__name__}, not a tensor")
+        return tensor.float().numpy() if tensor.is_floating_point() else tensor.numpy()
+    except pickle.UnpicklingError:
+        raise UserError(f"{path}: holds objects other than tensors (not msprobe's; never unpickled)") from None
+    except (OSError, EOFError, RuntimeError, ValueError) as error:
+        raise UserError(f"{path}: not a tensor file as msprobe writes it ({str(error).splitlines()[0]})") from None
 
 
 def _read_stacks(path: Path) -> dict[str, tuple[str, ...]]:
     """call key -> frames innermost last. Accepts both stack.json layouts msprobe has written."""
     raw = _load_json(path)
     result = {}
-    for key, value in raw.items():
-        if isinstance(value, list) and len(value) == 2 and isinstance(value[0], list):
-            names, frames = value  # newer: {"0": [[call keys], [frames]]}
-        else:
-            names, frames = [key], value  # older: {call key: [frames]}
-        parsed = _frames(tuple(frames))
-        for name in names:
-            result[name] = parsed
+    try:
+        for key, value in raw.items():
+            if isinstance(value, list) and len(value) == 2 and isinstance(value[0], list):
+                names, frames = value  # newer: {"0": [[call keys], [frames]]}
+            else:
+                names, frames = [key], value  # older: {call key: [frames]}
+            parsed = _frames(tuple(map(str, frames)))
+            for name in names:
+                result[name] = parsed
+    except _MALFORMED as error:
+        raise UserError(f"{path}: not as msprobe writes it ({type(error).__name__}: {error})") from None
     return result
 
 
@@ -169,6 +196,8 @@ def _tensors(value: Any) -> list[dict]:
     if isinstance(value, dict):
         if "dtype" in value and "shape" in value:
             return [value] if str(value.get("type", "torch.Tensor")).endswith("Tensor") else []
+        if str(value.get("type")).endswith("Tensor"):
+            raise KeyError(f"a tensor entry without {'dtype' if 'shape' in value else 'shape'}")
         value = list(value.values())
     if not isinstance(value, (list, tuple)):
         return []
@@ -183,10 +212,12 @@ def _tensors(value: Any) -> list[dict]:
 
 
 def _number(value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
+    """A statistic: a number, msprobe's text for one ("inf", "NaN"), or None where it has none."""
+    if value is None:
         return float("nan")
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"a statistic that is {type(value).__name__}: {value!r}")
+    return float(value)  # ValueError for text that is not a number
 
 
 class _StepRecords:
@@ -296,8 +327,8 @@ def _statistics(entries: list[dict]) -> np.ndarray:
     """(n, 4) float64: msprobe's Min, Max, Mean, Norm of each tensor, NaN where one is not a number."""
     try:
         return np.array(list(map(_STATISTICS, entries)), np.float64).reshape(len(entries), 4)
-    except (KeyError, TypeError, ValueError):  # a statistic missing, or not a number: one by one
-        return np.array([[_number(e.get(field)) for field in _STATISTICS_FIELDS] for e in entries],
+    except (KeyError, TypeError, ValueError):  # None or text among them: one by one, to say which is wrong
+        return np.array([[_number(e[field]) for field in _STATISTICS_FIELDS] for e in entries],
                         np.float64).reshape(len(entries), 4)
 
 

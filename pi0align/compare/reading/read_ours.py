@@ -19,6 +19,7 @@ from pi0align.compare.reading.records import (
     no_records,
 )
 from pi0align.compare.table import Table, lookup
+from pi0align.dump import journal
 from pi0align.dump.file_format import CALL_TYPES, FORMAT, RECORD_TYPES, step_group
 from pi0align.dump.file_format import VERSION as SUPPORTED_VERSION
 from pi0align.errors import UserError
@@ -29,6 +30,7 @@ _RECORD_COLUMNS = [c for c in RECORD_TYPES if c != "skipped"]
 
 
 OPEN_DATASETS = 64
+LOCK_WAIT_S = 60.0  # how long a reader waits out an append in progress (one takes a second or so)
 
 
 def is_pi0align_file(path: Path) -> bool:
@@ -36,9 +38,24 @@ def is_pi0align_file(path: Path) -> bool:
 
 
 def read_pi0align(path: Path, steps: set[int] | None = None) -> Dump:
-    """Open one dump file; records are read now, tensors and samples later, on demand."""
+    """Open one dump file; records are read now, tensors and samples later, on demand (the steps
+    already complete never change, while a run may go on appending others)."""
     try:
-        f = h5py.File(path, "r")
+        with journal.reading(path, LOCK_WAIT_S):
+            return _open(path, steps)
+    except BlockingIOError:
+        raise UserError(f"{path}: being written (its writer has been inside one append for over {LOCK_WAIT_S:.0f} s); "
+                        "try again when it has moved on") from None
+    except journal.InterruptedAppend as error:
+        raise UserError(f"{path}: its writer was killed in the middle of an append, which cannot be undone here "
+                        f"({error}); open it once with write access to restore its last complete step") from None
+    except OSError as error:
+        raise UserError(f"{path}: cannot open it ({error.strerror or error})") from None
+
+
+def _open(path: Path, steps: set[int] | None) -> Dump:
+    try:
+        f = h5py.File(path, "r", locking=False)  # the writer's lock is journal.py's, never held long
     except OSError as error:
         raise UserError(f"{path}: cannot open as HDF5 ({error})") from None
     try:

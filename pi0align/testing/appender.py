@@ -1,0 +1,30 @@
+"""`python -m pi0align.testing.appender DUMP LAYERS STEPS`: write a dump of the toy model with
+LAYERS layers (about 20 records a layer) and append STEPS copies of its step, printing
+`appended N` after each, through the format module the dumper's writer process uses: the other
+side of the tests that kill a writer mid-append or read a dump while it is written. Most of its
+time is spent inside appends; a pause after each stands for the training steps between two
+dumped ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+from pi0align.dump import file_format
+from pi0align.testing.dumpfactory import run_toy_model, step_tables, write_dump
+
+
+def main(path: Path, layers: int, steps: int) -> None:
+    (step,) = run_toy_model(layers=layers)
+    write_dump(path, [])
+    tables = step_tables(step, "stats", 0, {}, None)
+    for number in range(steps):
+        file_format.append(path, dataclasses.replace(tables, step=number), [], [(number, 1.0, 1.0, 1e-3)], None)
+        print(f"appended {number}", flush=True)
+        time.sleep(0.02)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
