@@ -216,7 +216,8 @@ def profile_dumped_step(args, work: Path, steps: int = 5) -> None:
     """Where a dumped step's extra time goes (stats, level mix): cProfile over `steps` plain steps
     and as many dumped ones, the difference in own time grouped by the part of the code it is spent
     in (dump's modules by file; torch and the model as one group each; C++ called from Python
-    counted in its Python caller)."""
+    counted in its Python caller; torch's by file and function: hooks make modules take torch's slow
+    call path, which is where much of the module level's cost lands)."""
     import cProfile
     import pstats
 
@@ -244,7 +245,7 @@ def profile_dumped_step(args, work: Path, steps: int = 5) -> None:
           f"{dumped_total:.3f} s against {plain_total:.3f} s (profiled, so both slower than unprofiled)")
     print(f"{'part':48s} {'extra s/step':>12s} {'share':>6s}")
     extra = sorted(((times[1] - times[0], part) for part, times in own.items()), reverse=True)
-    for seconds, part in extra[:14]:
+    for seconds, part in extra[:20]:
         print(f"{part:48s} {seconds:12.4f} {seconds / (dumped_total - plain_total):6.0%}")
 
 
@@ -252,8 +253,10 @@ def _part(file: str, function: str) -> str:
     """A profiled function's part: a dump module by file name, else a coarse group."""
     if "pi0align/dump/" in file:
         return f"pi0align.dump.{Path(file).stem}.{function}"
-    if "torch" in file or file == "~" and "torch" in function:
-        return "torch (Python and C++ called from it)"
+    if "/torch/" in file:
+        return f"torch: {file.rpartition('/torch/')[2].removesuffix('.py')}.{function}"[:48]
+    if file == "~" and "torch" in function:
+        return f"torch C++: {function.removeprefix('<built-in method ')}"[:48]
     if "lerobot" in file or "transformers" in file:
         return "the model's own Python"
     return "other" if file != "~" else f"built-in: {function}"[:48]

@@ -33,10 +33,11 @@ def test_two_compares_of_the_same_dumps_at_once_give_the_same_answer(tmp_path):
 
 @pytest.fixture
 def appending(tmp_path):
-    """A writer appending 150 steps of a 600-layer toy model (about 13,000 records each)."""
+    """A writer appending a step of a 600-layer toy model (about 13,000 records) every 50 ms or so,
+    for longer than a test takes: ended by the fixture."""
     path = tmp_path / "written" / "dump.h5"
-    child = subprocess.Popen([sys.executable, "-m", "pi0align.testing.appender", str(path), "600", "150"], cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    child = subprocess.Popen([sys.executable, "-m", "pi0align.testing.appender", str(path), "600", "1000", "0.02"],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     yield child, path
     child.kill()
     child.wait()
@@ -48,12 +49,10 @@ def test_a_dump_compared_while_it_is_written_is_right_about_its_complete_steps(a
         if line.strip() == "appended 1":
             break
     reference = write_dump(tmp_path / "reference.h5", run_toy_model(layers=600))
-    compared = 0
-    while child.poll() is None:
+    for _ in range(3):
         code, stderr = pi0align("compare", reference, path, "--steps", "0", "--no-html")
         assert code == 0, stderr  # aligned: step 0 the same, whatever else is being written
-        compared += 1
-    assert compared >= 3, "the writer finished before the compares could overlap it"
+    assert child.poll() is None, "the writer finished before the compares could overlap it"
 
 
 def test_a_dump_whose_writer_stopped_inside_an_append_is_one_being_written_line(appending, tmp_path, monkeypatch):

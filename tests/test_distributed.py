@@ -40,6 +40,7 @@ def two_process_runs(tmp_path_factory):
     return made
 
 
+@pytest.mark.slow  # the fixture: two runs of two processes each, over a minute
 def test_two_processes_write_a_dump_per_rank_and_one_summary(two_process_runs):
     run, done = two_process_runs["a"]
     assert sorted(p.name for p in run.glob("dump*.h5")) == ["dump-rank0.h5", "dump-rank1.h5"]
@@ -53,6 +54,7 @@ def test_two_processes_write_a_dump_per_rank_and_one_summary(two_process_runs):
     assert manifest["world_size"] == 2 and manifest["config"]["nproc"] == 2
 
 
+@pytest.mark.slow  # the fixture's runs
 def test_two_runs_of_one_seed_compare_aligned_on_every_rank(two_process_runs):
     result = compare_dumps(two_process_runs["a"][0], two_process_runs["b"][0], replay=False)
     assert result.verdict == "aligned" and result.rank_verdicts == {0: "aligned", 1: "aligned"}

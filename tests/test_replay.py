@@ -126,6 +126,7 @@ def update_dumps(tmp_path_factory):
 UPDATE = "blocks.0.0.weight/Optimizer.step#0"
 
 
+@pytest.mark.slow  # three toy trainings dumped in full, each replayed
 def test_an_update_replayed_names_the_side_whose_optimizer_is_wrong(update_dumps):
     """AdamW recomputed in float64 from each side's recorded parameter, gradient, states and
     hyper-parameters: an unchanged pair within float64 rounding of their records on both sides; a
@@ -142,6 +143,7 @@ def test_an_update_replayed_names_the_side_whose_optimizer_is_wrong(update_dumps
     assert_one_line_error(misused, "--direction is for API calls", "an optimizer update")
 
 
+@pytest.mark.slow  # the dumps of the test above
 def test_a_batch_is_not_replayed_its_bits_are_compared(update_dumps):
     same = run_cli("replay", update_dumps["a"], "input/Data#0", "--against", update_dumps["batch"], "--step", "0")
     assert same.returncode == 0 and "is not replayed" in same.stdout and "the same batch" in same.stdout

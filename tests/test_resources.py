@@ -79,8 +79,8 @@ def test_a_dump_on_a_read_only_file_system_is_compared(read_only):
 def test_a_dump_left_mid_append_on_a_read_only_file_system_is_one_line_then_restored(tmp_path):
     folder = tmp_path / "killed"
     path = folder / "dump.h5"
-    writer = subprocess.Popen([sys.executable, "-m", "pi0align.testing.appender", str(path), "1000", "100"], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    writer = subprocess.Popen([sys.executable, "-m", "pi0align.testing.appender", str(path), "300", "400", "0.02"],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     for line in writer.stdout:
         if line.strip() == "appended 1":
             break

@@ -80,6 +80,7 @@ def test_summary_lines_and_files_are_complete(seeded_runs):
     assert (run_dir / "checkpoints" / "000004" / "pretrained_model" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow  # a run killed, then resumed: two processes that import torch and LeRobot
 def test_run_killed_after_a_checkpoint_resumes_to_the_same_losses(seeded_runs, tmp_path):
     """SIGKILL once checkpoint 2 exists, resume from it: every step equals the uninterrupted run."""
     run_dir = tmp_path / "killed"

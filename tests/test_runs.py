@@ -134,6 +134,7 @@ def test_the_curves_page_shows_the_overlay_in_chromium(runs, tmp_path, browser):
     assert blocked == [] and errors == []
 
 
+@pytest.mark.slow  # a notebook kernel of its own
 def test_the_loss_curve_notebook_overlays_the_runs(runs):
     """The notebook in notebooks/ runs top to bottom (real kernel) on real run folders."""
     import os
@@ -201,6 +202,7 @@ def test_a_run_from_another_runs_checkpoint_computes_its_step_bit_for_bit(runs):
     assert manifest["started_from"] == {"run": str(runs["base"]), "step": 2}
 
 
+@pytest.mark.slow  # processes that import torch and LeRobot, one after the other
 def test_from_takes_the_other_runs_configuration_and_says_what_is_wrong(runs, tmp_path):
     out = ("--out", tmp_path / "x")
     for args, fragments in ((("--from", runs["base"]), ("--at",)),

@@ -55,6 +55,7 @@ def test_our_seed_all_fixes_every_source_and_removes_every_dropout():
     assert first["cublas"] == ":4096:8" and first["hccl"] == "true"
 
 
+@pytest.mark.slow  # a process that imports msprobe and torch
 def test_msprobe_seed_all_is_preferred_when_installed():
     pytest.importorskip("msprobe.pytorch")
     report = seed_in_child("msprobe")

@@ -124,12 +124,12 @@ def key_codes(*keys: np.ndarray) -> tuple[np.ndarray, int]:
     tuples' sorted order (NaN last, NaNs equal to each other); and the number of codes."""
     codes, count = np.zeros(len(keys[0]) if keys else 0, np.int64), 1
     for key in keys:
-        distinct, inverse = _unique(key)
+        distinct, inverse = unique_values(key)
         codes, count = _compress(codes * len(distinct) + inverse)
     return codes, count
 
 
-def _unique(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def unique_values(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """np.unique(values, return_inverse=True): the distinct values sorted, and each value's position."""
     if values.dtype != object:
         distinct, inverse = np.unique(values, return_inverse=True)
@@ -195,7 +195,7 @@ class Groups:
 
     def max_text(self, values: np.ndarray) -> np.ndarray:
         """Greatest string of each group (in Python's order)."""
-        distinct, codes = _unique(values)
+        distinct, codes = unique_values(values)
         return distinct[self.max(codes)] if len(self) else values[:0]
 
 

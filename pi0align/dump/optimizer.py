@@ -39,6 +39,22 @@ def hyper_parameters(group: dict, state: list[str], optimizer: type) -> str:
                        "optimizer": f"{optimizer.__module__}.{optimizer.__qualname__}"}, separators=(",", ":"))
 
 
+class _Described:
+    """hyper_parameters of each (group, state names) of one optimizer step, computed once: every
+    parameter of a group shares them (and a tensor learning rate is read back once, not once a
+    parameter)."""
+
+    def __init__(self, optimizer) -> None:
+        self._optimizer, self._done = optimizer, {}
+
+    def __call__(self, group: dict, state: list[tuple[str, torch.Tensor]]) -> str:
+        names = [k for k, _ in state]
+        key = (id(group), *names)
+        if key not in self._done:
+            self._done[key] = hyper_parameters(group, names, type(self._optimizer))
+        return self._done[key]
+
+
 def _state_tensors(state: dict) -> list[tuple[str, torch.Tensor]]:
     return sorted((k, v) for k, v in state.items() if isinstance(v, torch.Tensor))
 
@@ -63,6 +79,7 @@ class OptimizerRecorder:
         self._open = []
         if log is None:
             return
+        described = _Described(optimizer)
         with torch._C.DisableTorchFunction():
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -73,8 +90,7 @@ class OptimizerRecorder:
                     if not self._selected(name):
                         continue
                     state = _state_tensors(optimizer.state.get(param, {}))
-                    call = log.open_call(name, module, API, DIRECTION, -1,
-                                         hyper_parameters(group, [k for k, _ in state], type(optimizer)))
+                    call = log.open_call(name, module, API, DIRECTION, -1, described(group, state))
                     log.add_tensor(call, name, "input", 0, param)
                     log.add_tensor(call, name, "input", 1, param.grad)
                     for index, (_, tensor) in enumerate(state, start=2):
@@ -86,6 +102,7 @@ class OptimizerRecorder:
         log, opened, self._open = self._log(), self._open, []
         if log is None:
             return
+        described = _Described(optimizer)
         with torch._C.DisableTorchFunction():
             for call, name, param, group in opened:
                 state = _state_tensors(optimizer.state.get(param, {}))
@@ -95,7 +112,7 @@ class OptimizerRecorder:
                 for tensor in (param, *(tensor for _, tensor in state)):
                     torch.autograd.graph.increment_version(tensor)
                 # the states exist from the first update on: named now
-                log.set_arguments(call, hyper_parameters(group, [k for k, _ in state], type(optimizer)))
+                log.set_arguments(call, described(group, state))
                 log.add_tensor(call, name, "output", 0, param)
                 for index, (_, tensor) in enumerate(state, start=2):
                     log.add_tensor(call, name, "output", index, tensor)

@@ -1,9 +1,9 @@
-"""`python -m pi0align.testing.appender DUMP LAYERS STEPS`: write a dump of the toy model with
-LAYERS layers (about 20 records a layer) and append STEPS copies of its step, printing
+"""`python -m pi0align.testing.appender DUMP LAYERS STEPS PAUSE`: write a dump of the toy model
+with LAYERS layers (about 20 records a layer) and append STEPS copies of its step, printing
 `appended N` after each, through the format module the dumper's writer process uses: the other
-side of the tests that kill a writer mid-append or read a dump while it is written. Most of its
-time is spent inside appends; a pause after each stands for the training steps between two
-dumped ones."""
+side of the tests that kill a writer mid-append or read a dump while it is written. A pause of
+PAUSE seconds after each append stands for the training steps between two dumped ones (0: nearly
+all of its time is spent inside appends)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,15 @@ from pi0align.dump import file_format
 from pi0align.testing.dumpfactory import run_toy_model, step_tables, write_dump
 
 
-def main(path: Path, layers: int, steps: int) -> None:
+def main(path: Path, layers: int, steps: int, pause: float) -> None:
     (step,) = run_toy_model(layers=layers)
     write_dump(path, [])
     tables = step_tables(step, "stats", 0, {}, None)
     for number in range(steps):
         file_format.append(path, dataclasses.replace(tables, step=number), [], [(number, 1.0, 1.0, 1e-3)], None)
         print(f"appended {number}", flush=True)
-        time.sleep(0.02)
+        time.sleep(pause)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))

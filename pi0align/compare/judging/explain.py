@@ -28,6 +28,7 @@ from pi0align.compare.judging.judge import Judgement, downstream
 from pi0align.compare.judging.modules import containing, enclosing_modules
 from pi0align.compare.judging.rootcause import call_directions, elementwise_errors, phases, row_error
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, looser_classes
+from pi0align.compare.reading.records import subjects
 from pi0align.compare.result import CallRef
 from pi0align.compare.table import Table, gather, isin, lookup
 
@@ -165,7 +166,7 @@ def _clipped_within(rows: Table, error: np.ndarray, fine: np.ndarray) -> np.ndar
         mine = gradients[(rank[gradients] == key[0]) & (step[gradients] == key[1])]
         total_a, total_b = np.sqrt(np.nansum(norm_a[mine] ** 2)), np.sqrt(np.nansum(norm_b[mine] ** 2))
         total_error[key] = abs(total_b - total_a) / total_a if total_a > 0 else (0.0 if total_b == 0 else np.inf)
-    subject = np.char.rpartition(rows["name"].astype(str), "/")[:, 0]
+    subject = subjects(rows["name"])
     keys = ("rank", "step")
     own = lookup([*(rows[k] for k in keys), subject], [*(rows[k][gradients] for k in keys), subject[gradients]])
     own_row = np.where(own >= 0, gradients[np.maximum(own, 0)], -1)

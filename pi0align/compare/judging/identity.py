@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pi0align.compare.judging.modules import is_module_api
 from pi0align.compare.reading.records import OUTPUT_ROLES
 from pi0align.compare.table import Table, isin, key_codes, lookup
 
@@ -176,7 +177,7 @@ def _sum_bounds(rows: Table, tensor: np.ndarray, codes: np.ndarray, weighted: np
 def _innermost_readers(rows: Table, identity: np.ndarray, readers: np.ndarray) -> np.ndarray:
     """Mask over `readers` (forward input rows): of the readers of each tensor, the API calls, or,
     where only modules read it, those of the deepest module path."""
-    module = np.char.startswith(rows["api"][readers].astype(str), "Module.")
+    module = is_module_api(rows["api"][readers])
     depth = np.where(module, np.array([str(m).count(".") + bool(m) for m in rows["module"][readers].tolist()]), 1 << 20)
     codes, inverse = np.unique(identity[readers], return_inverse=True)
     deepest = np.full(len(codes), -1, np.int64)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pi0align.compare.judging.bounds import MARGIN, noise_floor, rounding_scale
-from pi0align.compare.judging.modules import innermost, is_module
+from pi0align.compare.judging.modules import innermost, is_module, is_module_api
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.table import Groups, Table, isin
 
@@ -174,10 +174,10 @@ def bit_comparable(rows: Table, identical: np.ndarray, diff: list, manifest: dic
         return False
     known = (rows["checksum_a"] != -1) & (rows["checksum_b"] != -1) & (rows["direction"] == "forward")
     known &= isin(rows["pairing"], ("matched", "realigned"))
-    module_call = np.char.startswith(rows["api"].astype(str), "Module.")
+    module_call = is_module_api(rows["api"])
     first = known & ~module_call  # a module's output comes at its end
     if not first.any():
-        paths = rows["module"].astype(str)
+        paths = rows["module"]
         parents = {".".join(parts[:n]) for path in set(paths[known].tolist())
                    for parts in [path.split(".") if path else []] for n in range(len(parts))}
         first = known & ~isin(paths, parents)

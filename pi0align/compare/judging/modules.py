@@ -10,18 +10,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from pi0align.compare.table import Table
+from pi0align.compare.table import Table, unique_values
 
 
 def is_module(calls: Table) -> np.ndarray:
-    return np.char.startswith(calls["api"].astype(str), "Module.")
+    return is_module_api(calls["api"])
+
+
+def is_module_api(apis: np.ndarray) -> np.ndarray:
+    """Which API names are modules' (`Module.<Class>`): decided once per distinct name (a text
+    column as a fixed-width str array, which np.char needs, costs its longest name on every row)."""
+    distinct, inverse = unique_values(apis)
+    return np.array([str(api).startswith("Module.") for api in distinct.tolist()], bool)[inverse]
 
 
 def enclosing_modules(calls: Table) -> np.ndarray:
     """Per call, the innermost forward module invocation holding it (its row in `calls`; -1: none)."""
     order = np.lexsort((calls["seq_a"], calls["direction"], calls["step"], calls["rank"]))
     module_api = is_module(calls)
-    paths = calls["module"].astype(str)
+    paths = calls["module"]
     parent = np.full(len(calls), -1, np.int64)
     open_calls: list[int] = []
     group = None

@@ -39,7 +39,7 @@ from pi0align.compare.judging.bounds import (
 )
 from pi0align.compare.judging.identity import RESULT_ROLES, gradient_sources, produced, requires_grad
 from pi0align.compare.judging.judge import Judgement, replay_floor, replay_ratio_limit
-from pi0align.compare.judging.modules import enclosing_modules, holds_calls
+from pi0align.compare.judging.modules import enclosing_modules, holds_calls, is_module
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, dtype_class, looser_classes
 from pi0align.compare.reading.records import INPUT_ROLES, OUTPUT_ROLES, subjects
 from pi0align.compare.result import CallRef, Culprit
@@ -216,8 +216,7 @@ def _add_module_parameters(calls: Table, judged: Table, error: np.ndarray, fail:
             entry[0] = max(entry[0], float(0.0 if np.isnan(error[i]) else error[i]))
             entry[1] |= bool(fail[i])
             entry[2] &= bool(identical[i])
-    modules = np.flatnonzero(np.char.startswith(calls["api"].astype(str), "Module.")
-                             & (calls["direction"] == "forward"))
+    modules = np.flatnonzero(is_module(calls) & (calls["direction"] == "forward"))
     for i in modules.tolist():
         entry = worst.get((int(calls["rank"][i]), int(calls["step"][i]), str(calls["module"][i])))
         if entry is not None:
@@ -277,8 +276,7 @@ def _add_gradient_sources(calls: Table, rows: Table, identity: np.ndarray, error
     unknown = gradient[np.isnan(calls["input_error"][gradient])]
     if not len(unknown):
         return
-    backward_modules = np.flatnonzero(np.char.startswith(calls["api"].astype(str), "Module.")
-                                      & (calls["direction"] == "backward"))
+    backward_modules = np.flatnonzero(is_module(calls) & (calls["direction"] == "backward"))
     keys = ("rank", "step", "module")
     owner = lookup([calls[k][unknown] for k in keys], [calls[k][backward_modules] for k in keys])
     found = owner >= 0
