@@ -146,6 +146,20 @@ def test_an_msprobe_dump_json_with_missing_fields_or_wrong_types_is_one_line(msp
     assert_one_line_naming(*pi0align("compare", folder, msprobe, "--no-html"), path)
 
 
+def test_msprobe_statistics_that_are_bools_or_none_are_read(msprobe, tmp_path):
+    """What msprobe writes for a bool tensor (True/False) and for a statistic it has none of (None)."""
+    folder = tmp_path / "ms"
+    shutil.copytree(msprobe, folder)
+    path = _dump_json(folder)
+    payload = json.loads(path.read_text())
+    records = [r for entry in payload["data"].values() for r in entry.get("output", []) if isinstance(r, dict)]
+    records[0].update(Min=False, Max=True)
+    records[1].update(Mean=None)
+    path.write_text(json.dumps(payload))
+    code, stderr = pi0align("compare", folder, msprobe, "--no-html")
+    assert code in (0, 1), stderr
+
+
 @pytest.mark.slow  # two processes that import torch and LeRobot
 def test_run_resume_from_a_damaged_or_foreign_checkpoint_is_one_line(files, tmp_path):
     run = _run_copy(files, tmp_path)

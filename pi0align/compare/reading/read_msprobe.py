@@ -212,10 +212,11 @@ def _tensors(value: Any) -> list[dict]:
 
 
 def _number(value: Any) -> float:
-    """A statistic: a number, msprobe's text for one ("inf", "NaN"), or None where it has none."""
+    """A statistic: a number (a bool tensor's are bools), msprobe's text for one ("inf", "NaN"), or
+    None where it has none."""
     if value is None:
         return float("nan")
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+    if not isinstance(value, (int, float, str)):
         raise TypeError(f"a statistic that is {type(value).__name__}: {value!r}")
     return float(value)  # ValueError for text that is not a number
 
