@@ -7,12 +7,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import REPO, pi0align
 
 from pi0align.compare.reading import read_ours
+from pi0align.testing import appender
 from pi0align.testing.dumpfactory import Fault, run_toy_model, write_dump
 
 
@@ -36,8 +36,7 @@ def appending(tmp_path):
     """A writer appending a step of a 600-layer toy model (about 13,000 records) every 50 ms or so,
     for longer than a test takes: ended by the fixture."""
     path = tmp_path / "written" / "dump.h5"
-    child = subprocess.Popen([sys.executable, "-m", "pi0align.testing.appender", str(path), "600", "1000", "0.02"],
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    child = appender.start(path, 600, 1000, 0.02)
     yield child, path
     child.kill()
     child.wait()
@@ -45,9 +44,6 @@ def appending(tmp_path):
 
 def test_a_dump_compared_while_it_is_written_is_right_about_its_complete_steps(appending, tmp_path):
     child, path = appending
-    for line in child.stdout:
-        if line.strip() == "appended 1":
-            break
     reference = write_dump(tmp_path / "reference.h5", run_toy_model(layers=600))
     for _ in range(3):
         code, stderr = pi0align("compare", reference, path, "--steps", "0", "--no-html")
@@ -57,18 +53,7 @@ def test_a_dump_compared_while_it_is_written_is_right_about_its_complete_steps(a
 
 def test_a_dump_whose_writer_stopped_inside_an_append_is_one_being_written_line(appending, tmp_path, monkeypatch):
     child, path = appending
-    for line in child.stdout:
-        if line.strip() == "appended 1":
-            break
-    journal = path.with_name("dump.h5.journal")
-    while True:  # stopped inside an append
-        while not journal.exists():
-            time.sleep(0.001)
-        child.send_signal(signal.SIGSTOP)
-        time.sleep(0.1)
-        if journal.exists():
-            break
-        child.send_signal(signal.SIGCONT)
+    appender.stop_inside_an_append(child, path)
     monkeypatch.setattr(read_ours, "LOCK_WAIT_S", 0.5)
     try:
         code, stderr = pi0align("compare", path, path, "--no-html")

@@ -16,6 +16,7 @@ import pytest
 from conftest import REPO
 
 from pi0align.compare.reading.open_dump import open_run
+from pi0align.testing import appender
 
 CHILD = """
 import sys
@@ -87,16 +88,10 @@ def test_a_writer_killed_in_the_middle_of_appends_leaves_every_step_it_finished(
     killed_inside_an_append = 0
     for attempt, delay in enumerate(np.random.default_rng(0).uniform(0, 0.2, 12)):
         path = tmp_path / f"{attempt}" / "dump.h5"
-        child = subprocess.Popen([sys.executable, "-m", "pi0align.testing.appender", str(path), "300", "400", "0"],
-                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        appended = -1
-        for line in child.stdout:
-            appended = int(line.split()[1])
-            if appended == 1:
-                break
+        child = appender.start(path, 300, 400, 0)
         time.sleep(delay)
         child.send_signal(signal.SIGKILL)
-        appended = max([appended, *(int(line.split()[1]) for line in child.stdout)])
+        appended = max([1, *(int(line.split()[1]) for line in child.stdout)])
         child.wait()
         killed_inside_an_append += (path.parent / "dump.h5.journal").exists()
         (dump,) = open_run(path).values()

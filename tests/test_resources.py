@@ -9,12 +9,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import time
 
 import pytest
-from conftest import REPO, assert_one_line_error, pi0align, run_cli
+from conftest import assert_one_line_error, pi0align, run_cli
 
+from pi0align.testing import appender
 from pi0align.testing.dumpfactory import run_toy_model, write_dump
 
 
@@ -79,20 +78,8 @@ def test_a_dump_on_a_read_only_file_system_is_compared(read_only):
 def test_a_dump_left_mid_append_on_a_read_only_file_system_is_one_line_then_restored(tmp_path):
     folder = tmp_path / "killed"
     path = folder / "dump.h5"
-    writer = subprocess.Popen([sys.executable, "-m", "pi0align.testing.appender", str(path), "300", "400", "0.02"],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    for line in writer.stdout:
-        if line.strip() == "appended 1":
-            break
-    journal = folder / "dump.h5.journal"
-    while True:  # killed inside an append: stopped there first, then killed
-        while not journal.exists():
-            time.sleep(0.001)
-        writer.send_signal(signal.SIGSTOP)
-        time.sleep(0.05)  # stopped by now
-        if journal.exists():
-            break
-        writer.send_signal(signal.SIGCONT)
+    writer = appender.start(path, 300, 400, 0.02)
+    appender.stop_inside_an_append(writer, path)  # then killed there
     writer.send_signal(signal.SIGKILL)
     writer.wait()
     with made_read_only(folder):
@@ -101,4 +88,4 @@ def test_a_dump_left_mid_append_on_a_read_only_file_system_is_one_line_then_rest
         assert "killed in the middle of an append" in stderr and "write access" in stderr
     code, stderr = pi0align("compare", path, path, "--steps", "0-1", "--no-html")
     assert code == 0, stderr
-    assert not journal.exists()
+    assert not (folder / "dump.h5.journal").exists()
