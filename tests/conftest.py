@@ -18,6 +18,10 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# The tests run one worker per core (pyproject's addopts), so torch's threads share the cores with
+# another worker's: OpenMP threads that spin while they wait take the cores from the ones working
+# (the default job ran 30 % slower beside a busy core). Waiting asleep changes no result.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -164,7 +164,8 @@ def test_the_loss_curve_notebook_overlays_the_runs(runs):
 def test_check_passes_a_run_against_its_own_baseline_and_fails_another_learning_rate(runs, tmp_path):
     recorded = run_cli("check", runs["base"], "--save-baseline", "tiny", "--baselines", tmp_path)
     assert recorded.returncode == 0, recorded.stderr
-    own = run_cli("check", runs["same"], "--baseline", "tiny", "--baselines", tmp_path)
+    # throughput is the machine's load, not the run's (the runs were made two at a time)
+    own = run_cli("check", runs["same"], "--baseline", "tiny", "--baselines", tmp_path, "--min-throughput", "0")
     assert own.returncode == 0 and "passed" in own.stdout, own.stdout
     other = run_cli("check", runs["lr"], "--baseline", "tiny", "--baselines", tmp_path)
     assert other.returncode == 1 and "failed" in other.stdout and "learning rate" in other.stdout, other.stdout
@@ -180,9 +181,10 @@ def test_the_default_run_passes_its_baseline_and_another_learning_rate_fails(tmp
     for name, extra in (("default", ()), ("lr", ("--lr", "1e-4"))):
         done = run_cli("run", "--no-progress", "--log-every", "0", *extra, "--out", tmp_path / name)
         assert done.returncode == 0, done.stderr
-    passed = run_cli("check", tmp_path / "default", "--baseline", "cpu-default")
+    # throughput is the machine's load, not the run's: the losses are judged
+    passed = run_cli("check", tmp_path / "default", "--baseline", "cpu-default", "--min-throughput", "0")
     assert passed.returncode == 0, passed.stdout
-    failed = run_cli("check", tmp_path / "lr", "--baseline", "cpu-default")
+    failed = run_cli("check", tmp_path / "lr", "--baseline", "cpu-default", "--min-throughput", "0")
     assert failed.returncode == 1 and "loss curve" in failed.stdout, failed.stdout
 
 

@@ -30,7 +30,9 @@ def _records(*calls: tuple[str, list[tuple]]) -> tuple[Table, Table, np.ndarray]
     mean, shape); side A's statistics, as call_table hands them to bounds.py."""
     rows = [(i, *record) for i, (_, records) in enumerate(calls) for record in records]
     call_of, role, arg, norm, low, high, mean, shape = (list(column) for column in zip(*rows))
-    table = Table({"api": np.array([api for api, _ in calls], object),
+    table = Table({"rank": np.zeros(len(calls), np.int64), "step": np.zeros(len(calls), np.int64),
+                   "name": np.array([f"call{i}" for i in range(len(calls))], object),
+                   "api": np.array([api for api, _ in calls], object),
                    "direction": np.full(len(calls), "forward", object)})
     records = Table({"role": np.array(role, object), "arg_index": np.array(arg, np.int64),
                      "direction": np.full(len(rows), "forward", object), "norm_a": np.array(norm, float),
@@ -106,23 +108,29 @@ class _Heads(torch.nn.Module):
         self.heads = torch.nn.ModuleList(_Head() for _ in range(count))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        return torch.stack([head(q[:, i], k[:, i]) for i, head in enumerate(self.heads)]).sum()
+        return torch.stack([head(q[:, i], k[:, i]) for i, head in enumerate(self.heads)])
 
 
-def _dump_heads(path, *modes_of) -> None:
+def _dump_heads(path, *modes_of, backward: bool = False) -> None:
+    """One step of _Heads, its loss a weighted sum of the attention weights (their plain sum has
+    no gradient: every row sums to one)."""
     from pi0align.dump import Dumper
 
     model = _Heads()
     generator = torch.Generator().manual_seed(3)
     # batch 2, 4 heads, 16 tokens of 32: logits of std 2 × 2 × √32 ≈ 23, spread over about ±70
     q, k = (2.0 * torch.randn(2, 2, 4, 16, 32, generator=generator)).bfloat16().unbind(0)
+    q.requires_grad_(backward)
+    weights = torch.randn(4, 2, 16, 16, generator=generator)
     # an emulated device is another device: its runs are not bit-comparable with the CPU's
     manifest = {"device_name": "emulated"} if modes_of else None
     with contextlib.ExitStack() as emulated, Dumper(path, mode="stats", level="api", manifest=manifest) as dumper:
         for make in modes_of:  # pushed before the dumper's own mode: it records what they return
             emulated.enter_context(make(model))
         dumper.start(model)
-        model(q, k)
+        loss = (model(q, k) * weights).sum()
+        if backward:
+            loss.backward()
         dumper.step()
 
 
@@ -140,6 +148,24 @@ def test_a_softmax_of_noisy_logits_is_noise_and_its_scaled_output_a_culprit(tmp_
     faulty = compare_dumps(tmp_path / "a", tmp_path / "fault", replay=False)
     assert faulty.verdict == "diverged" and faulty.culprits[0].name == "heads.1/Torch.softmax#0"
     assert "keeps whatever its inputs" in faulty.culprits[0].bound_by
+
+
+def test_a_softmax_gradient_of_noisy_logits_is_noise_and_its_scaled_gradient_a_culprit(tmp_path):
+    """A softmax's gradient p ⊙ (g − Σ p g) cancels: on logits of large spread (p nearly one-hot)
+    ulp noise moves it by up to 8 % while its incoming gradient holds the same bits, within its
+    condition 2 max p ‖g‖ / ‖dz‖ (here about 58; before, C = 1: every head's gradient was named).
+    The same gradient × 2.5 is the culprit, about 3 times its bound (× 2 is 2.2 times it)."""
+    noise = lambda model: UlpNoise(1, seed=4)  # noqa: E731
+    _dump_heads(tmp_path / "a", backward=True)
+    _dump_heads(tmp_path / "noise", noise, backward=True)
+    _dump_heads(tmp_path / "fault", noise, lambda model: Fault(model.heads[1], torch.softmax, 0, 2.5, backward=True),
+                backward=True)
+    quiet = compare_dumps(tmp_path / "a", tmp_path / "noise", replay=False)
+    assert (quiet.verdict, quiet.culprits) == ("aligned", []), [(c.name, c.direction) for c in quiet.culprits]
+    faulty = compare_dumps(tmp_path / "a", tmp_path / "fault", replay=False)
+    top = faulty.culprits[0]
+    assert (faulty.verdict, top.name, top.direction) == ("diverged", "heads.1/Torch.softmax#0", "backward")
+    assert "softmax gradient" in top.bound_by
 
 
 # -- the real thing: PI0 small in bf16, dumped by msprobe and by pi0align ------------------------

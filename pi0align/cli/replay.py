@@ -74,7 +74,7 @@ def main(args: argparse.Namespace) -> int:
             result = replay(recorded)
             if not result:
                 raise UserError(f"{path}: {args.name} cannot be replayed: {result.reason}")
-            scales.append(_rounding_scale(records.take(mine)))
+            scales.append(_rounding_scale(records, mine, direction))
             mine &= records["role"] == RESULT_ROLES[direction]
             units.append(max((UNIT_ROUNDOFF[dtype_class(d)] for d in records["dtype"][mine].tolist()), default=0.0))
             results.append(result)
@@ -103,19 +103,26 @@ def main(args: argparse.Namespace) -> int:
     return 1 if b_wrong or a_wrong else 0
 
 
-def _rounding_scale(records) -> float:
-    """How much the call's own rounding grows (bounds.rounding_scale), from its records on side A,
-    as compare takes it."""
+def _rounding_scale(records, mine, direction: str) -> float:
+    """How much the call's own rounding grows (bounds.rounding_scale), from its records (`mine`)
+    and, for a backward call, its forward call's (what it saved), as compare takes it."""
     import numpy as np
 
     from pi0align.compare.judging.bounds import conditions, rounding_scale
     from pi0align.compare.table import Table
 
-    call = Table({"api": records["api"][:1], "direction": records["direction"][:1]})
-    own = Table({"role": records["role"], "arg_index": records["arg_index"], "direction": records["direction"],
-                 **{f"{column}_a": records[column] for column in ("norm", "min", "max", "mean", "shape")}})
-    condition, rule = conditions(call, own, np.zeros(len(records), np.int64))
-    return float(rounding_scale(condition, rule)[0])
+    first = int(np.flatnonzero(mine)[0])
+    related = mine | ((records["step"] == records["step"][first]) & (records["name"] == records["name"][first])
+                      & (records["direction"] == "forward"))
+    own = records.take(related)
+    directions, call_of_record = np.unique(own["direction"].astype(str), return_inverse=True)
+    firsts = [int(np.flatnonzero(call_of_record == i)[0]) for i in range(len(directions))]
+    calls = Table({column: own[column][firsts] for column in ("rank", "step", "name", "api", "direction")})
+    statistics = Table({"role": own["role"], "arg_index": own["arg_index"], "direction": own["direction"],
+                        **{f"{column}_a": own[column] for column in ("norm", "min", "max", "mean", "shape")}})
+    condition, rule = conditions(calls, statistics, call_of_record.astype(np.int64))
+    mine_at = list(directions).index(direction)
+    return float(rounding_scale(condition, rule)[mine_at])
 
 
 def _batch(console, name: str, step: int, paths: list[str], checksums: list[int]) -> int:

@@ -60,7 +60,8 @@ ADDITIONS = frozenset({"add", "__add__", "__radd__", "__iadd__", "add_", "sub", 
 POWERS = frozenset({"pow", "pow_", "__pow__", "square", "square_"})
 # exp: an absolute input error is the output's relative error, C = max|x|
 EXPONENTIALS = frozenset({"exp", "exp_", "exp2", "exp2_"})
-# softmax: δp/p = δz − Σ p δz, so C = 2 max|z|; its mean is 1 / (row length) whatever its input
+# softmax: δp/p = δz − Σ p δz, so C = 2 max|z|; its mean is 1 / (row length) whatever its input.
+# Its gradient, dz = p ⊙ (g − Σ p g), cancels: C = 2 max p ‖g‖ / ‖dz‖ (`_softmax_gradient_conditions`)
 SOFTMAXES = frozenset({"softmax", "_softmax"})
 # log_softmax: δ out = δz − Σ p δz, C = 2 max|z| / max|out|
 LOG_SOFTMAXES = frozenset({"log_softmax", "_log_softmax"})
@@ -69,7 +70,7 @@ NORMALIZATIONS = frozenset({"layer_norm", "group_norm", "batch_norm", "instance_
 # forward reductions to fewer elements (their result's scaling: a sum, or a mean over P terms)
 REDUCTIONS = {"sum": "sum", "nansum": "sum", "mean": "mean", "nanmean": "mean"}
 # calls whose own rounding is amplified by their condition: sums whose terms cancel
-SUMMING_RULES = frozenset({"matmul", "reduction", "gradient sum"})
+SUMMING_RULES = frozenset({"matmul", "reduction", "gradient sum", "softmax gradient"})
 
 
 def noise_floor(unit: np.ndarray) -> np.ndarray:
@@ -98,10 +99,11 @@ def invariant_errors(calls: Table, records: Table, call_of_record: np.ndarray) -
 
 def conditions(calls: Table, records: Table, call_of_record: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The condition C of every call and the rule that gave it ("" where C = 1), from its records
-    (side A's norm, mean, min, max and shape, their role and arg_index, the call's direction) by
-    its API (the tables above), its backward summing a gradient over positions
-    (`reduction_condition`) or its selecting a part of its input (SELECTIONS: ‖x‖ / ‖part‖, all of
-    the input's error may sit in the part). `call_of_record`: each record's row in `calls`."""
+    (side A's norm, mean, min, max and shape, their role and arg_index; the call's rank, step, name
+    and direction: a softmax's backward reads its forward call's output) by its API (the tables
+    above), its backward summing a gradient over positions (`reduction_condition`) or its selecting
+    a part of its input (SELECTIONS: ‖x‖ / ‖part‖, all of the input's error may sit in the part).
+    `call_of_record`: each record's row in `calls`."""
     function = np.array([api.rpartition(".")[2] for api in calls["api"].tolist()], dtype=object)
     forward = calls["direction"].astype(object) != "backward"
     of = _CallRecords(calls, records, call_of_record)
@@ -127,6 +129,9 @@ def conditions(calls: Table, records: Table, call_of_record: np.ndarray) -> tupl
     apply(_at(len(calls), exponential, of.scale(exponential, "input", 0)), "exponential")
     softmax = np.flatnonzero(forward & np.isin(function, list(SOFTMAXES)))
     apply(_at(len(calls), softmax, 2.0 * of.scale(softmax, "input", 0)), "softmax")
+    softmax_gradient = np.flatnonzero((calls["direction"] == "backward") & np.isin(function, list(SOFTMAXES)))
+    apply(_at(len(calls), softmax_gradient, _softmax_gradient_conditions(calls, of, softmax_gradient)),
+          "softmax gradient")
     log_softmax = np.flatnonzero(forward & np.isin(function, list(LOG_SOFTMAXES)))
     with np.errstate(divide="ignore", invalid="ignore"):
         spread = of.scale(log_softmax, "input", 0) / of.scale(log_softmax, "output", 0)
@@ -221,6 +226,22 @@ class _CallRecords:
         largest = np.zeros(self.n_calls)
         np.fmax.at(largest, self.call_of_record[mine], self.records[metric].astype(np.float64)[mine])
         return largest[at]
+
+
+def _softmax_gradient_conditions(calls: Table, of: _CallRecords, at: np.ndarray) -> np.ndarray:
+    """C = 2 max p ‖g‖ / ‖dz‖ for softmax backward calls `at`: dz = p ⊙ g − p (p · g) row by row,
+    and each term moves by at most max p ‖δg‖ (the second as ‖p‖² ≤ max p Σ p = max p), so an
+    error of g (or, alike, of the saved p) grows by the cancellation of the two terms. max p from
+    the forward call's output, 1 (a probability's largest) where it was not recorded."""
+    keys = ("rank", "step", "name")
+    forward = np.flatnonzero(calls["direction"] == "forward")
+    saved = lookup([calls[k][at] for k in keys], [calls[k][forward] for k in keys])
+    largest = np.ones(len(at))
+    found = saved >= 0
+    largest[found] = of.scale(forward[saved[found]], "output", 0)
+    largest = np.fmin(np.where(np.isnan(largest), 1.0, largest), 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return 2.0 * largest * of.norm(at, "grad_output", 0) / of.norm(at, "grad_input", 0)
 
 
 def _matmul_conditions(function: np.ndarray, of: _CallRecords) -> np.ndarray:
