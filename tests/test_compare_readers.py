@@ -210,3 +210,25 @@ def test_msprobe_dumps_of_real_pi0_with_infinite_statistics_are_read(tmp_path):
     result = compare_dumps(tmp_path / "msprobe", tmp_path / "msprobe")
     assert result.verdict == "aligned" and result.coverage["matched"] > 1000 and not result.culprits
     assert (result.rows["pairing"] == "matched").all()
+
+
+def test_torch_files_are_read_without_torch_as_torch_reads_them(tmp_path):
+    """msprobe's `.pt` tensors, read by our restricted reader: the values torch.load gives, in every
+    dtype msprobe dumps, contiguous or not, views into a larger storage, empty and 0-d."""
+    import numpy as np
+    import torch
+
+    from pi0align.compare.reading.torch_files import load_tensor
+
+    base = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    tensors = {"float32": base, "float64": base.double(), "float16": base.half(), "bfloat16": base.bfloat16(),
+               "int64": torch.arange(12).reshape(3, 4), "bool": base > 0, "uint8": torch.arange(5, dtype=torch.uint8),
+               "transposed": base.t(), "slice": base[2:5, 1::2], "empty": torch.zeros(0, 3), "scalar": base[1, 1]}
+    for name, tensor in tensors.items():
+        path = tmp_path / f"{name}.pt"
+        torch.save(tensor, path)
+        expected = torch.load(path, weights_only=True)
+        expected = expected.float() if expected.dtype in (torch.float16, torch.bfloat16) else expected
+        read = load_tensor(path)
+        assert read.shape == tuple(expected.shape) and read.dtype == expected.numpy().dtype, name
+        assert np.array_equal(read, expected.numpy()), name

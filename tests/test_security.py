@@ -10,11 +10,13 @@ import csv
 import dataclasses
 import pickle
 import shutil
+import zipfile
 
 import pytest
 from conftest import REPO, assert_one_line_error, pi0align, run_cli
 
 from pi0align.compare import compare_dumps
+from pi0align.errors import UserError
 from pi0align.report.html import write_html
 from pi0align.testing.dumpfactory import Fault, default_manifest, run_toy_model, write_dump
 
@@ -62,6 +64,27 @@ def test_an_msprobe_tensor_file_that_would_run_code_is_not_unpickled(tmp_path):
     assert code in (1, 2) and "Traceback" not in stderr, stderr
 
 
+def test_a_torch_file_whose_pickle_names_anything_but_a_tensor_is_refused_unread(tmp_path):
+    """A `.pt` file as torch.save writes it (a zip holding data.pkl), whose pickle calls a function
+    of the payload's: refused in one line, the function never called; the genuine file reads."""
+    import torch
+
+    from pi0align.compare.reading.read_msprobe import _load_tensor
+
+    genuine = tmp_path / "genuine.pt"
+    torch.save(torch.arange(6.0).reshape(2, 3), genuine)
+    assert _load_tensor(genuine).tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    marker = tmp_path / "pwned"
+    poisoned = tmp_path / "poisoned.pt"
+    with zipfile.ZipFile(genuine) as source, zipfile.ZipFile(poisoned, "w") as target:
+        for item in source.infolist():
+            data = pickle.dumps(_Payload(marker)) if item.filename.endswith("data.pkl") else source.read(item)
+            target.writestr(item, data)
+    with pytest.raises(UserError, match="holds objects other than tensors"):
+        _load_tensor(poisoned)
+    assert not marker.exists()
+
+
 def _calls_in(tree: ast.AST):
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
@@ -79,6 +102,10 @@ def test_the_sources_read_no_pickle_from_a_file_and_evaluate_nothing():
                 assert relative in PIPE_MODULES or keywords.get("weights_only") == "True", where
             if name in ("np.load", "numpy.load"):
                 assert "allow_pickle" not in {k.arg for k in call.keywords}, where
+        for node in ast.walk(ast.parse(path.read_text())):  # an Unpickler only with its own find_class
+            if isinstance(node, ast.ClassDef) and "pickle.Unpickler" in map(ast.unparse, node.bases):
+                methods = {item.name for item in node.body if isinstance(item, ast.FunctionDef)}
+                assert "find_class" in methods, f"{relative}:{node.lineno} {node.name}"
 
 
 PAYLOAD = "<script>window.pwned = 1</script>[/red][bold]<img src=x onerror=\"window.pwned = 2\">"

@@ -11,11 +11,17 @@ import zstandard
 ZSTD_LEVEL = 1
 CHUNK_BYTES = 1 << 20
 MIN_COMPRESSED_BYTES = 1 << 12  # below this, compressing costs more time than it saves bytes
+# A chunk that compression shrinks by less than this share is stored as it is, both filters
+# skipped (its filter mask): decoding it (Zstandard at about 1.5 GB/s a core, then the unshuffle)
+# would cost a reader more time than the bytes saved take to read from a local disk.
+MIN_SAVING = 0.25
+SKIP_FILTERS = 0b11  # HDF5's filter mask: bit i set, filter i of the pipeline (shuffle, Zstandard) skipped
 
 
 def write_tensor_dataset(group: h5py.Group, name: str, data: np.ndarray, dtype: str, compress: bool = True) -> None:
     """One full tensor as a dataset: byte-shuffled and Zstandard-compressed in chunks of about
-    CHUNK_BYTES, compressed here and written raw (faster than HDF5's own filter pipeline)."""
+    CHUNK_BYTES, compressed here and written raw (faster than HDF5's own filter pipeline); a chunk
+    that compression shrinks by less than MIN_SAVING is stored unfiltered."""
     if not compress or data.ndim == 0 or data.nbytes < MIN_COMPRESSED_BYTES:
         dataset = group.create_dataset(name, data=data)
     else:
@@ -25,7 +31,11 @@ def write_tensor_dataset(group: h5py.Group, name: str, data: np.ndarray, dtype: 
                                        compression=hdf5plugin.ZSTD_ID, compression_opts=(ZSTD_LEVEL,))
         compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
         for offset, block in _chunk_blocks(data, chunks):
-            dataset.id.write_direct_chunk(offset, compressor.compress(_shuffle(block)))
+            compressed = compressor.compress(_shuffle(block))
+            if len(compressed) > (1 - MIN_SAVING) * block.nbytes:
+                dataset.id.write_direct_chunk(offset, np.ascontiguousarray(block), filter_mask=SKIP_FILTERS)
+            else:
+                dataset.id.write_direct_chunk(offset, compressed)
     dataset.attrs["dtype"] = dtype
 
 

@@ -128,23 +128,17 @@ def _load_tensor(path: Path):
     """One of msprobe's tensor files; what is not a tensor (a pickled object among them) is refused
     unread."""
     import pickle
-    import warnings
+    import zipfile
+
+    from pi0align.compare.reading.torch_files import load_tensor
 
     try:
-        if path.suffix == ".npy":
-            return np.load(path, mmap_mode="r")
-        import torch  # only for msprobe's .pt tensor files
-
-        with warnings.catch_warnings():  # torch's on a pickle of an unexpected protocol: the error says it
-            warnings.simplefilter("ignore")
-            tensor = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"holds a {type(tensor).__name__}, not a tensor")
-        return tensor.float().numpy() if tensor.is_floating_point() else tensor.numpy()
+        return np.load(path, mmap_mode="r") if path.suffix == ".npy" else load_tensor(path)
     except pickle.UnpicklingError:
         raise UserError(f"{path}: holds objects other than tensors (not msprobe's; never unpickled)") from None
-    except (OSError, EOFError, RuntimeError, ValueError) as error:
-        raise UserError(f"{path}: not a tensor file as msprobe writes it ({str(error).splitlines()[0]})") from None
+    except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as error:
+        why = (str(error).splitlines() or [type(error).__name__])[0]
+        raise UserError(f"{path}: not a tensor file as msprobe writes it ({why})") from None
 
 
 def _read_stacks(path: Path) -> dict[str, tuple[str, ...]]:

@@ -1,0 +1,97 @@
+"""Tensors saved by `torch.save` (msprobe's `.pt` files), read without torch.
+
+Such a file is a zip archive: `<name>/data.pkl`, a pickle that rebuilds the tensor from its
+storages, and `<name>/data/<key>`, each storage's raw little-endian bytes. The pickle is read by
+an Unpickler that knows only the names a tensor's pickle uses, each mapped to a function of ours
+that describes the tensor (never torch's, never anything the file names), so nothing in the file
+can run code; then the storage's bytes are viewed with the tensor's shape, strides and offset.
+Importing torch would cost a compare seconds; reading this way costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import zipfile
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from pi0align.compare.reading.records import Bfloat16Array
+
+BFLOAT16 = "bfloat16"  # no numpy dtype: raw bits as uint16, decoded to float32
+# torch's storage types by name -> the dtype of their elements
+STORAGE_DTYPES = {"DoubleStorage": np.float64, "FloatStorage": np.float32, "HalfStorage": np.float16,
+                  "BFloat16Storage": BFLOAT16, "LongStorage": np.int64, "IntStorage": np.int32,
+                  "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_}
+
+
+class NotATensor(ValueError):
+    """The file holds something else than one tensor, or names what a tensor's pickle does not."""
+
+
+class _Storage(NamedTuple):
+    key: str
+    dtype: object  # a numpy dtype, or BFLOAT16
+
+
+class _Tensor(NamedTuple):
+    storage: _Storage
+    offset: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+
+
+def _rebuild_tensor(storage, offset, shape, strides, *unused) -> _Tensor:
+    """What torch._utils._rebuild_tensor_v2 is given: (storage, offset, size, stride,
+    requires_grad, backward_hooks[, metadata])."""
+    return _Tensor(storage, int(offset), tuple(map(int, shape)), tuple(map(int, strides)))
+
+
+_KNOWN = {("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+          ("collections", "OrderedDict"): collections.OrderedDict,
+          **{("torch", name): name for name in STORAGE_DTYPES}}
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        found = _KNOWN.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a tensor")
+        return found
+
+    def persistent_load(self, pid) -> _Storage:
+        # ("storage", storage type, key, location, number of elements)
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and pid[1] in STORAGE_DTYPES):
+            raise pickle.UnpicklingError(f"a storage described as {pid!r:.80}")
+        return _Storage(str(pid[2]), STORAGE_DTYPES[pid[1]])
+
+
+def load_tensor(path: str | Path) -> np.ndarray:
+    """The tensor in a `torch.save` file as a numpy array (floating point of two bytes as float32).
+    Raises pickle.UnpicklingError when the pickle names anything a tensor's does not, NotATensor
+    when it holds no single tensor, zipfile.BadZipFile or KeyError when the file is not one
+    torch.save writes."""
+    with zipfile.ZipFile(path) as archive:
+        pickled = next((name for name in archive.namelist() if name.endswith("/data.pkl")), None)
+        if pickled is None:
+            raise NotATensor("no data.pkl: not a file torch.save writes")
+        prefix = pickled[:-len("data.pkl")]
+        tensor = _TensorUnpickler(io.BytesIO(archive.read(pickled))).load()
+        if not isinstance(tensor, _Tensor):
+            raise NotATensor(f"holds a {type(tensor).__name__}, not a tensor")
+        raw = archive.read(f"{prefix}data/{tensor.storage.key}")
+    bfloat16 = tensor.storage.dtype == BFLOAT16
+    dtype = np.dtype(np.uint16 if bfloat16 else tensor.storage.dtype).newbyteorder("<")
+    flat = np.frombuffer(raw, dtype)
+    if any(s < 0 for s in tensor.strides) or tensor.offset < 0 or (np.prod(tensor.shape) and tensor.offset + sum(
+            (n - 1) * s for n, s in zip(tensor.shape, tensor.strides)) >= len(flat)):
+        raise NotATensor(f"a tensor of shape {tensor.shape} that its storage of {len(flat)} elements cannot hold")
+    values = np.lib.stride_tricks.as_strided(flat[tensor.offset:], tensor.shape,
+                                             tuple(s * dtype.itemsize for s in tensor.strides), writeable=False)
+    values = np.array(values, dtype=values.dtype.newbyteorder("="), order="C")  # 0-d stays 0-d
+    if bfloat16:
+        return Bfloat16Array.decode(values)
+    return values.astype(np.float32) if values.dtype == np.float16 else values
