@@ -232,3 +232,47 @@ def test_torch_files_are_read_without_torch_as_torch_reads_them(tmp_path):
         read = load_tensor(path)
         assert read.shape == tuple(expected.shape) and read.dtype == expected.numpy().dtype, name
         assert np.array_equal(read, expected.numpy()), name
+
+
+
+def test_a_torch_file_whose_tensor_reaches_past_its_storage_is_refused(tmp_path):
+    """A pickle that describes a tensor larger than its storage, with negative strides, or with
+    fewer strides than dimensions, is no tensor: refused in one line, nothing read outside the
+    file's bytes."""
+    import zipfile
+
+    import torch
+
+    from pi0align.compare.reading.read_msprobe import _load_tensor
+
+    genuine = tmp_path / "genuine.pt"
+    torch.save(torch.arange(6.0), genuine)
+    cases = (("whole", (6,), (1,)), ("huge", (1 << 40,), (1,)), ("negative", (6,), (-1,)), ("ranks", (2, 3), (1,)))
+    for name, shape, strides in cases:
+        forged = tmp_path / f"{name}.pt"
+        with zipfile.ZipFile(genuine) as source, zipfile.ZipFile(forged, "w") as target:
+            for item in source.infolist():
+                forging = item.filename.endswith("data.pkl")
+                target.writestr(item, _tensor_pickle(shape, strides) if forging else source.read(item))
+        if name == "whole":  # the forging itself is sound: the genuine description reads
+            assert _load_tensor(forged).tolist() == list(range(6))
+            continue
+        with pytest.raises(UserError, match="not a tensor file as msprobe writes it"):
+            _load_tensor(forged)
+
+
+def _tensor_pickle(shape: tuple, strides: tuple) -> bytes:
+    """The pickle torch.save writes for a float32 tensor on storage "0" of 6 elements, with the
+    given shape and strides, in pickle's opcodes (protocol 2)."""
+    def items(*parts: bytes) -> bytes:
+        return b"(" + b"".join(parts) + b"t"
+
+    def number(n: int) -> bytes:
+        return b"I" + str(n).encode() + b"\n"
+
+    def text(value: str) -> bytes:
+        return b"X" + len(value).to_bytes(4, "little") + value.encode()
+
+    storage = items(text("storage"), b"ctorch\nFloatStorage\n", text("0"), text("cpu"), number(6)) + b"Q"
+    arguments = items(storage, number(0), items(*map(number, shape)), items(*map(number, strides)), b"\x89", b"}")
+    return b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n" + arguments + b"R."

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import io
+import math
 import pickle
 import zipfile
 from pathlib import Path
@@ -55,6 +56,15 @@ _KNOWN = {("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
           **{("torch", name): name for name in STORAGE_DTYPES}}
 
 
+def _fits(tensor: _Tensor, elements: int) -> bool:
+    """Every element the tensor's shape, strides and offset address lies in its storage (in
+    Python's integers: a hostile shape cannot overflow the check)."""
+    shape, strides = tensor.shape, tensor.strides
+    if len(shape) != len(strides) or min((*shape, *strides, tensor.offset), default=0) < 0:
+        return False
+    return math.prod(shape) == 0 or tensor.offset + sum((n - 1) * s for n, s in zip(shape, strides)) < elements
+
+
 class _TensorUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         found = _KNOWN.get((module, name))
@@ -72,22 +82,24 @@ class _TensorUnpickler(pickle.Unpickler):
 def load_tensor(path: str | Path) -> np.ndarray:
     """The tensor in a `torch.save` file as a numpy array (floating point of two bytes as float32).
     Raises pickle.UnpicklingError when the pickle names anything a tensor's does not, NotATensor
-    when it holds no single tensor, zipfile.BadZipFile or KeyError when the file is not one
-    torch.save writes."""
+    when it holds no single tensor or one its storage cannot hold, zipfile.BadZipFile or KeyError
+    when the file is not one torch.save writes."""
     with zipfile.ZipFile(path) as archive:
         pickled = next((name for name in archive.namelist() if name.endswith("/data.pkl")), None)
         if pickled is None:
             raise NotATensor("no data.pkl: not a file torch.save writes")
         prefix = pickled[:-len("data.pkl")]
-        tensor = _TensorUnpickler(io.BytesIO(archive.read(pickled))).load()
-        if not isinstance(tensor, _Tensor):
+        try:
+            tensor = _TensorUnpickler(io.BytesIO(archive.read(pickled))).load()
+        except (TypeError, IndexError, AttributeError, OverflowError, RecursionError) as error:
+            raise NotATensor(f"a pickle no tensor makes ({type(error).__name__})") from None
+        if not isinstance(tensor, _Tensor) or not isinstance(tensor.storage, _Storage):
             raise NotATensor(f"holds a {type(tensor).__name__}, not a tensor")
         raw = archive.read(f"{prefix}data/{tensor.storage.key}")
     bfloat16 = tensor.storage.dtype == BFLOAT16
     dtype = np.dtype(np.uint16 if bfloat16 else tensor.storage.dtype).newbyteorder("<")
     flat = np.frombuffer(raw, dtype)
-    if any(s < 0 for s in tensor.strides) or tensor.offset < 0 or (np.prod(tensor.shape) and tensor.offset + sum(
-            (n - 1) * s for n, s in zip(tensor.shape, tensor.strides)) >= len(flat)):
+    if not _fits(tensor, len(flat)):
         raise NotATensor(f"a tensor of shape {tensor.shape} that its storage of {len(flat)} elements cannot hold")
     values = np.lib.stride_tricks.as_strided(flat[tensor.offset:], tensor.shape,
                                              tuple(s * dtype.itemsize for s in tensor.strides), writeable=False)
