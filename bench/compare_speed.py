@@ -239,7 +239,9 @@ def tensor_throughput(work: Path, gigabytes: float, rounds: int) -> None:
     for _ in range(rounds):
         for replay in (False, True):
             run = timed([PYTHON, "-c", OURS_TIMED, str(a), str(b), "replay" if replay else "no-replay"])
-            seconds = float(run.said.split()[0]) if run.seconds < float("inf") else run.seconds
+            said = run.said.split()
+            # its own time, as it printed it; a failed or timed-out run prints none
+            seconds = float(said[0]) if said and said[0].replace(".", "", 1).isdigit() else float("inf")
             if not replay:
                 MEASURED[TENSOR_GOAL].append(size / 2**30 / seconds)
             print(f"tensor mode, {'with' if replay else 'no'} replay: compared 2 x {size / 2**30:.2f} GiB in "
