@@ -239,15 +239,21 @@ def tensor_throughput(work: Path, gigabytes: float, rounds: int) -> None:
     for _ in range(rounds):
         for replay in (False, True):
             run = timed([PYTHON, "-c", OURS_TIMED, str(a), str(b), "replay" if replay else "no-replay"])
-            said = run.said.split()
-            # its own time, as it printed it; a failed or timed-out run prints none
-            seconds = float(said[0]) if said and said[0].replace(".", "", 1).isdigit() else float("inf")
+            seconds = _printed_seconds(run.said)
             if not replay:
                 MEASURED[TENSOR_GOAL].append(size / 2**30 / seconds)
             print(f"tensor mode, {'with' if replay else 'no'} replay: compared 2 x {size / 2**30:.2f} GiB in "
                   f"{seconds:.2f} s ({run.seconds:.2f} s with the process's start): {size / 2**30 / seconds:.2f} "
                   f"GiB/s per side ({2 * size / 2**30 / seconds:.2f} GiB/s both sides read), peak RSS "
                   f"{run.peak_gib:.2f} GiB", flush=True)
+
+
+def _printed_seconds(said: str) -> float:
+    """The time a compare printed first; infinite where it printed none (it failed or timed out)."""
+    try:
+        return float(said.split()[0])
+    except (IndexError, ValueError):
+        return float("inf")
 
 
 def replay_cost(work: Path, rounds: int, steps: int) -> None:
