@@ -48,12 +48,10 @@ PI0ALIGN = shutil.which("pi0align", path=str(Path(PYTHON).parent))  # the consol
 TIMEOUT = 600
 
 # ours as a bare process: start-up and compare_dumps, no report (ours_cli runs the command itself)
-OURS = ("import sys; from pi0align.compare import compare_dumps; "
-        "r = compare_dumps(sys.argv[1], sys.argv[2], replay=sys.argv[3] == 'replay'); print(r.verdict, r.coverage)")
-# tensor mode: compare_dumps timed inside the process, its start (imports) a fixed cost apart
-OURS_TIMED = ("import sys, time; from pi0align.compare import compare_dumps; started = time.perf_counter(); "
-              "r = compare_dumps(sys.argv[1], sys.argv[2], replay=sys.argv[3] == 'replay'); "
-              "print(time.perf_counter() - started, r.verdict)")
+# it prints compare_dumps' own time first: the process's start (imports) is a fixed cost apart
+OURS = ("import sys, time; from pi0align.compare import compare_dumps; started = time.perf_counter(); "
+        "r = compare_dumps(sys.argv[1], sys.argv[2], replay=sys.argv[3] == 'replay'); "
+        "print(f'{time.perf_counter() - started:.3f} s', r.verdict, r.coverage)")
 TENSOR_GOAL = "tensor mode, no replay: GiB/s per side"
 GOALS = {TENSOR_GOAL: Goal(1.5, higher_is_better=True, unit=""),
          "msprobe ÷ ours, its tensor dumps, CLI": Goal(10.0, higher_is_better=True),
@@ -238,7 +236,7 @@ def tensor_throughput(work: Path, gigabytes: float, rounds: int) -> None:
           f"{time.perf_counter() - start:.0f} s", flush=True)
     for _ in range(rounds):
         for replay in (False, True):
-            run = timed([PYTHON, "-c", OURS_TIMED, str(a), str(b), "replay" if replay else "no-replay"])
+            run = ours(a, b, replay)
             seconds = _printed_seconds(run.said)
             if not replay:
                 MEASURED[TENSOR_GOAL].append(size / 2**30 / seconds)

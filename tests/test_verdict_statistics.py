@@ -60,11 +60,12 @@ def test_each_api_is_conditioned_by_what_its_statistics_say():
         ("Tensor.__add__", [x, ("input", 1, 1.0, -1.0, 1.0, 0.0, "[4, 8]"), ("output", 0, 0.01, -1, 1, 0, "[4, 8]")]),
         ("Torch.exp", [("input", 0, 5.0, -5.0, 2.0, 0.0, "[4, 8]"), out]),
         ("Functional.gelu", [x, out]),
+        ("Functional.rms_norm", [x, out]),  # divides by the RMS, which moves with its input's error
     )
     condition, rule = conditions(calls, records, of)
     expected = [(2.0, "product"), (1.0, ""), (500.0, "quotient"), (np.inf, "quotient"), (11.0, "quotient"), (1.0, ""),
                 (60.0, "softmax"), (np.sqrt(10.0), "normalization"), (2.0, "reduction"), (200.0, "cancellation"),
-                (5.0, "exponential"), (1.0, "")]
+                (5.0, "exponential"), (1.0, ""), (1.0, "")]
     assert list(rule) == [r for _, r in expected]
     assert condition == pytest.approx([c for c, _ in expected])
 
@@ -90,6 +91,60 @@ def test_culprits_are_ranked_where_the_error_starts_unless_a_later_one_is_clearl
                           wrong_side=np.full(4, "", object), blame=np.array([2.6, 5.0, 30.0, 900.0]),
                           within=np.full(4, "", object))
     assert list(culprit_order(calls, judgement)) == [2, 0, 1, 3]
+
+
+# -- end to end: rms_norm in bf16 under ulp noise ---------------------------------------------------
+
+
+class _RmsBlock(torch.nn.Module):
+    """Linear → F.rms_norm with a weight of its own → Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.nn.functional.rms_norm(self.a(x), (64,), self.weight))
+
+
+class _RmsBlocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_RmsBlock() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_an_rms_norm_under_noise_is_aligned_and_one_3_percent_off_the_culprit(tmp_path):
+    """F.rms_norm divides by its input's RMS, which an error moves with it (C = 1, docs/compare.md):
+    bf16 ulp noise is aligned from statistics; one rms_norm × 1.03 (4 ulps of bf16) is the culprit."""
+    from pi0align.dump import Dumper
+
+    def dump(path, *modes_of) -> None:
+        torch.manual_seed(0)
+        model = _RmsBlocks().bfloat16()
+        x = torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+        manifest = {"device_name": "emulated"} if modes_of else None
+        with contextlib.ExitStack() as emulated, Dumper(path, mode="stats", level="mix", manifest=manifest) as dumper:
+            for make in modes_of:
+                emulated.enter_context(make(model))
+            dumper.start(model)
+            model(x).float().square().mean().backward()
+            dumper.step()
+
+    noise = lambda model: UlpNoise(1, seed=4)  # noqa: E731
+    dump(tmp_path / "a")
+    dump(tmp_path / "noise", noise)
+    dump(tmp_path / "fault", noise, lambda model: Fault(model.blocks[2], torch.nn.functional.rms_norm, 0, 1.03))
+    quiet = compare_dumps(tmp_path / "a", tmp_path / "noise", replay=False)
+    assert (quiet.verdict, quiet.culprits) == ("aligned", []), [(c.name, c.direction) for c in quiet.culprits]
+    faulty = compare_dumps(tmp_path / "a", tmp_path / "fault", replay=False)
+    assert faulty.verdict == "diverged" and faulty.culprits[0].api == "Functional.rms_norm"
+    assert faulty.culprits[0].module == "blocks.2" and faulty.culprits[0].direction == "forward"
 
 
 # -- end to end: a softmax on bf16 logits with a large spread ----------------------------------

@@ -109,20 +109,18 @@ def _rounding_scale(records, mine, direction: str) -> float:
     import numpy as np
 
     from pi0align.compare.judging.bounds import conditions, rounding_scale
-    from pi0align.compare.table import Table
+    from pi0align.compare.table import Groups, Table
 
     first = int(np.flatnonzero(mine)[0])
     related = mine | ((records["step"] == records["step"][first]) & (records["name"] == records["name"][first])
                       & (records["direction"] == "forward"))
     own = records.take(related)
-    directions, call_of_record = np.unique(own["direction"].astype(str), return_inverse=True)
-    firsts = [int(np.flatnonzero(call_of_record == i)[0]) for i in range(len(directions))]
-    calls = Table({column: own[column][firsts] for column in ("rank", "step", "name", "api", "direction")})
+    call = Groups(own["direction"])  # the call, and its forward call where it is a backward one
+    calls = Table({column: own[column][call.first] for column in ("rank", "step", "name", "api", "direction")})
     statistics = Table({"role": own["role"], "arg_index": own["arg_index"], "direction": own["direction"],
                         **{f"{column}_a": own[column] for column in ("norm", "min", "max", "mean", "shape")}})
-    condition, rule = conditions(calls, statistics, call_of_record.astype(np.int64))
-    mine_at = list(directions).index(direction)
-    return float(rounding_scale(condition, rule)[mine_at])
+    condition, rule = conditions(calls, statistics, call.codes)
+    return float(rounding_scale(condition, rule)[calls["direction"] == direction][0])
 
 
 def _batch(console, name: str, step: int, paths: list[str], checksums: list[int]) -> int:

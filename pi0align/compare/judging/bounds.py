@@ -228,17 +228,24 @@ class _CallRecords:
         return largest[at]
 
 
+def forward_calls(calls: Table, at: np.ndarray) -> np.ndarray:
+    """The row in `calls` of the first forward call of the same rank, step and name as each call
+    `at` (what a backward call's forward saved for it), -1 where there is none."""
+    keys = ("rank", "step", "name")
+    forward = np.flatnonzero(calls["direction"] == "forward")
+    found = lookup([calls[k][at] for k in keys], [calls[k][forward] for k in keys])
+    return np.where(found >= 0, forward[np.maximum(found, 0)] if len(forward) else -1, -1)
+
+
 def _softmax_gradient_conditions(calls: Table, of: _CallRecords, at: np.ndarray) -> np.ndarray:
     """C = 2 max p ‖g‖ / ‖dz‖ for softmax backward calls `at`: dz = p ⊙ g − p (p · g) row by row,
     and each term moves by at most max p ‖δg‖ (the second as ‖p‖² ≤ max p Σ p = max p), so an
     error of g (or, alike, of the saved p) grows by the cancellation of the two terms. max p from
     the forward call's output, 1 (a probability's largest) where it was not recorded."""
-    keys = ("rank", "step", "name")
-    forward = np.flatnonzero(calls["direction"] == "forward")
-    saved = lookup([calls[k][at] for k in keys], [calls[k][forward] for k in keys])
+    saved = forward_calls(calls, at)
     largest = np.ones(len(at))
     found = saved >= 0
-    largest[found] = of.scale(forward[saved[found]], "output", 0)
+    largest[found] = of.scale(saved[found], "output", 0)
     largest = np.fmin(np.where(np.isnan(largest), 1.0, largest), 1.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         return 2.0 * largest * of.norm(at, "grad_output", 0) / of.norm(at, "grad_input", 0)

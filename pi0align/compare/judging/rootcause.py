@@ -30,6 +30,7 @@ from pi0align.compare.judging.bounds import (
     conditions,
     dimensions,
     explained_error,
+    forward_calls,
     introduced,
     invariant_errors,
     noise_floor,
@@ -337,15 +338,13 @@ def execution_order(calls: Table) -> np.ndarray:
 def _add_saved_tensors(calls: Table) -> None:
     """A backward call also reads what its forward call saved (its inputs and outputs): count the
     forward call's error as input error of the backward call of the same name."""
-    forward = calls.take(calls["direction"] == "forward")
-    keys = ("rank", "step", "name")
-    saved = lookup([calls[k] for k in keys], [forward[k] for k in keys])  # the first forward call of that name
+    saved = forward_calls(calls, np.arange(len(calls)))
     backward = (calls["direction"] == "backward") & (saved >= 0)
     source = saved[backward]
-    saved_error = np.maximum(forward["input_error"][source], forward["output_error"][source])
+    saved_error = np.maximum(calls["input_error"][source], calls["output_error"][source])
     calls["input_error"][backward] = np.fmax(calls["input_error"][backward], saved_error)
-    calls["inputs_fail"][backward] |= forward["inputs_fail"][source] | forward["outputs_fail"][source]
-    calls["inputs_identical"][backward] &= forward["inputs_identical"][source] & ~forward["outputs_differ"][source]
+    calls["inputs_fail"][backward] |= calls["inputs_fail"][source] | calls["outputs_fail"][source]
+    calls["inputs_identical"][backward] &= calls["inputs_identical"][source] & ~calls["outputs_differ"][source]
 
 
 def _add_inside_errors(calls: Table, rows: Table, call_of_row: np.ndarray, producer: np.ndarray,

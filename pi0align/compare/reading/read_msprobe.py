@@ -16,7 +16,9 @@ import functools
 import json
 import math
 import operator
+import pickle
 import re
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ import numpy as np
 import orjson
 
 from pi0align.compare.reading.records import Dump, call_site, no_metrics, no_records
+from pi0align.compare.reading.torch_files import load_tensor
 from pi0align.compare.table import Table
 from pi0align.errors import UserError
 
@@ -127,11 +130,6 @@ def _read_rank(root: Path, rank: int, folders: list[tuple[int, Path]]) -> Dump:
 def _load_tensor(path: Path):
     """One of msprobe's tensor files; what is not a tensor (a pickled object among them) is refused
     unread."""
-    import pickle
-    import zipfile
-
-    from pi0align.compare.reading.torch_files import load_tensor
-
     try:
         return np.load(path, mmap_mode="r") if path.suffix == ".npy" else load_tensor(path)
     except pickle.UnpicklingError:
