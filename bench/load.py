@@ -5,9 +5,10 @@
 Runs `pi0align run` (the given preset, batch 4, one thread) for --steps steps with a statistics
 dump at every --every-th step, samples the resident memory of the training process and of its dump
 writer (from /proc) as the steps go by, and prints it at each tenth of the run with the growth from
-the first tenth to the last. Then compares the dump against itself twice, on its first tenth of
-dumped steps and on all of them, each in a fresh process, and prints their time and peak resident
-memory: a compare's memory must not grow with the number of steps (docs/reliability.md).
+the first tenth to the last. Then compares the dump against itself three times, on its first tenth
+of dumped steps, its first half and all of them, each in a fresh process, and prints their time and
+peak resident memory: past one window of steps (compare/engine.py, ROWS_PER_WINDOW records), a
+compare's memory must not grow with the number of steps (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -20,15 +21,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from pi0align.compare.engine import ROWS_PER_WINDOW
+
 ROOT = Path(__file__).resolve().parents[1]
+# the compare's own peak, VmHWM (ru_maxrss would carry over this forking process's); its rows are
+# counted from disk, a part at a time (reading them whole would be the memory measured)
 COMPARE = """
-import resource, sys, time
+import sys, time
 from pi0align.compare import compare_dumps
 steps = range(int(sys.argv[2])) if sys.argv[2] != "all" else None
 started = time.perf_counter()
 result = compare_dumps(sys.argv[1], sys.argv[1], steps=steps)
-peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(result.verdict, len(result.rows), time.perf_counter() - started, peak_kib)
+seconds = time.perf_counter() - started
+peak_kib = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+print(result.verdict, sum(len(part) for part in result.row_parts(["step"])), seconds, peak_kib)
 """
 
 
@@ -96,7 +102,9 @@ def main() -> None:
           f"writer {last[2] - first[2]:+.0f} MiB")
     dump = out / "dump.h5"
     print(f"dump: {dump.stat().st_size / 2**20:.1f} MiB, {len(range(0, args.steps, args.every))} dumped steps")
-    for label, steps in (("first tenth", str(args.steps // 10)), ("all steps", "all")):
+    print(f"a compare judges windows of steps holding about {ROWS_PER_WINDOW:,} records")
+    for label, steps in (("first tenth", str(args.steps // 10)), ("first half", str(args.steps // 2)),
+                         ("all steps", "all")):
         done = subprocess.run([sys.executable, "-c", COMPARE, str(dump), steps], cwd=ROOT, capture_output=True,
                               text=True, check=True)
         verdict, rows, seconds, max_rss_kib = done.stdout.split()

@@ -33,7 +33,6 @@ def main(args: argparse.Namespace) -> int:
     from pi0align.compare.judging.judge import wrong_sides
     from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, dtype_class
     from pi0align.compare.measuring.replayed import RESULT_ROLES, RecordedCalls
-    from pi0align.compare.reading.open_dump import open_run
     from pi0align.errors import UserError
     from pi0align.replay import replay
     from pi0align.report.formatting import format_number
@@ -49,10 +48,8 @@ def main(args: argparse.Namespace) -> int:
     paths = [args.dump] + ([args.against] if args.against else [])
     results, units, scales, checksums = [], [], [], []
     for path in paths:
-        runs = open_run(path, None if step is None else {step})
+        runs = _open_holding(path, args.name, step, direction, args.rank)
         try:
-            if args.rank not in runs:
-                raise UserError(f"{path} has no rank {args.rank} (ranks: {', '.join(map(str, sorted(runs)))})")
             dump = runs[args.rank]
             if dump.mode != "tensor" and direction != "data":
                 raise UserError(f"{path}: a {dump.mode}-mode dump: replay needs full tensors (--dump-mode tensor)")
@@ -101,6 +98,26 @@ def main(args: argparse.Namespace) -> int:
     verdict = "B is wrong" if b_wrong else "A is wrong" if a_wrong else "both within noise of each other"
     console.print(f"verdict: {verdict}", style="bold red" if b_wrong or a_wrong else "bold green")
     return 1 if b_wrong or a_wrong else 0
+
+
+def _open_holding(path: str, name: str, step: int | None, direction: str, rank: int) -> dict:
+    """The run at `path` holding the records of `step`, or where no step is given, of the first step
+    whose records hold the call (read a step at a time: a long dump's records need not fit in memory)."""
+    from pi0align.compare.measuring.replayed import RecordedCalls
+    from pi0align.compare.reading.open_dump import dumped_steps, open_run
+    from pi0align.errors import UserError
+
+    held = dumped_steps(path)
+    if rank not in held:
+        raise UserError(f"{path} has no rank {rank} (ranks: {', '.join(map(str, sorted(held)))})")
+    steps = [step] if step is not None else list(held[rank])
+    for candidate in steps[:-1]:
+        runs = open_run(path, {candidate})
+        if RecordedCalls(runs[rank]).find(name, candidate, direction) is not None:
+            return runs
+        for run in runs.values():
+            run.close()
+    return open_run(path, set(steps[-1:]))  # the last step: the caller says whether it holds the call
 
 
 def _rounding_scale(records, mine, direction: str) -> float:

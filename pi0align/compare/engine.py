@@ -1,4 +1,5 @@
-"""compare_dumps: open two runs, pair their records, measure, judge, find the root cause."""
+"""compare_dumps: open two runs and, a window of steps at a time, pair their records, measure
+them, and hand them to the Conclusion (conclusion.py), which judges them and finds the root cause."""
 
 from __future__ import annotations
 
@@ -13,21 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pi0align.compare.judging.explain import explain, rows_of, unexplained_source
-from pi0align.compare.judging.groups import culprit_groups
-from pi0align.compare.judging.identity import tensor_identities
-from pi0align.compare.judging.judge import bit_comparable, judge, noise_model
-from pi0align.compare.judging.manifest import (
-    manifest_diff,
-    manifest_notes,
-    numerics_notes,
-    weights_comparable,
-)
-from pi0align.compare.judging.noise import rounding_level
-from pi0align.compare.judging.reference import check_reference, reference_notes
-from pi0align.compare.judging.rootcause import call_table, culprits, first_divergence, producers
+from pi0align.compare.conclusion import Conclusion
+from pi0align.compare.judging.reference import check_reference
 from pi0align.compare.judging.thresholds import load_thresholds
-from pi0align.compare.judging.verdict import JUDGED_PAIRINGS, judge_rows
+from pi0align.compare.judging.verdict import JUDGED_PAIRINGS
 from pi0align.compare.measuring.align import pair_records
 from pi0align.compare.measuring.arguments import adam_step, arguments_differ, hyper_parameter_differences
 from pi0align.compare.measuring.memory import HeapTrimmer
@@ -38,13 +28,16 @@ from pi0align.compare.measuring.metrics import (
     stats_metrics,
     tensor_metrics,
 )
-from pi0align.compare.reading.open_dump import open_run
-from pi0align.compare.reading.records import OUTPUT_ROLES, Dump, user_frames
-from pi0align.compare.result import ROW_COLUMNS, Comparison
-from pi0align.compare.table import Table, gather, isin, lookup
+from pi0align.compare.reading.open_dump import dumped_steps, open_run
+from pi0align.compare.reading.records import Dump
+from pi0align.compare.result import Comparison
+from pi0align.compare.table import Table, gather, isin
 from pi0align.errors import UserError
 
 Progress = Callable[[int, int], None]
+# Records judged at once (a window of steps, conclusion.py): a window's rows and their stages take
+# about 3 KB a record at their peak, so about 300 MB; the dumps' other steps wait on disk.
+ROWS_PER_WINDOW = 100_000
 
 
 def compare_dumps(path_a: str | Path, path_b: str | Path, *, thresholds: dict | None = None,
@@ -81,67 +74,90 @@ def _compare(path_a: str | Path, path_b: str | Path, thresholds: dict, steps: It
              progress: Progress | None, noise: str | Path | None, replay: bool) -> Comparison:
     wanted = set(steps) if steps is not None else None
     paths = [path_a, path_b] + ([noise] if noise is not None else [])
-    opened: list[dict[int, Dump]] = []
-    try:
-        for path in paths:
-            opened.append(open_run(path, wanted))
-        runs_a, runs_b = opened[0], opened[1]
-        for path, runs in zip(paths[1:], opened[1:]):
-            if set(runs) != set(runs_a):
-                raise UserError(f"the runs have different ranks: {sorted(runs_a)} in {path_a}, "
-                                f"{sorted(runs)} in {path}")
-        if wanted is not None:
-            for path, runs in zip(paths, opened):
-                if all(not len(run.records) for run in runs.values()):
-                    listed = ", ".join(map(str, sorted(wanted)[:10]))
-                    raise UserError(f"{path} holds none of the steps asked for ({listed})")
-        _check_steps_in_common(opened, paths)
-        if noise is not None:
-            check_reference(runs_a, opened[2], path_a, noise)
-        replay &= all(runs[r].mode == "tensor" for runs in (runs_a, runs_b) for r in runs)
-        pairs = [(runs_a[r], runs_b[r], replay) for r in sorted(runs_a)]
-        if noise is not None:
-            pairs += [(runs_a[r], opened[2][r], False) for r in sorted(runs_a)]
-        tracker = _Tracker(progress, sum(_work(a, b, replay) for a, b, replay in pairs))
-        parts = _compare_pairs(pairs, wanted, tracker)
-        reference = Table.concat([p[0] for p in parts[len(runs_a):]]) if noise is not None else None
-        return _conclude(parts[:len(runs_a)], runs_a, runs_b, thresholds, str(path_a), str(path_b),
-                         reference, opened[2] if noise is not None else None)
-    finally:
-        for runs in opened:
-            _close(runs)
+    held = [_steps_held(path, wanted) for path in paths]
+    _check_runs(held, paths, wanted)
+    windows = _windows(path_a, held[0], sorted(set().union(*held[0].values(), *held[1].values())))
+    conclusion = Conclusion(thresholds, str(path_a), str(path_b), "reference" if noise is not None else "intrinsic",
+                            len(windows))
+    tracker = _Tracker(progress, 0)
+    runs_reference = None
+    with _workers(len(held[0]) * (len(paths) - 1)) as pool:
+        for index, window in enumerate(windows):
+            opened: list[dict[int, Dump]] = []
+            try:
+                for path in paths:
+                    opened.append(open_run(path, set(window)))
+                runs_a, runs_b = opened[0], opened[1]
+                if index == 0:
+                    if noise is not None:
+                        check_reference(runs_a, opened[2], path_a, noise)
+                        runs_reference = opened[2]
+                    replay &= all(runs[r].mode == "tensor" for runs in (runs_a, runs_b) for r in runs)
+                pairs = [(runs_a[r], runs_b[r], replay) for r in sorted(runs_a)]
+                if noise is not None:
+                    pairs += [(runs_a[r], opened[2][r], False) for r in sorted(runs_a)]
+                work = sum(_work(a, b, replay) for a, b, replay in pairs)
+                tracker.total = tracker.done + work * (len(windows) - index)  # the windows left taken alike
+                parts = _compare_pairs(pairs, set(window), tracker, pool)
+                reference = Table.concat([p[0] for p in parts[len(runs_a):]]) if noise is not None else None
+                conclusion.add(parts[:len(runs_a)], runs_a, runs_b, reference)
+            finally:
+                for runs in opened:
+                    _close(runs)
+            if index + 1 < len(windows):
+                gc.collect()  # whatever cycles the window left (the collector is paused meanwhile)
+    return conclusion.comparison(runs_reference)
 
 
-PAIRED = ("matched", "realigned", "shape_mismatch", "dtype_mismatch")  # a record with its counterpart
+def _steps_held(path: str | Path, wanted: set[int] | None) -> dict[int, dict[int, int | None]]:
+    """{rank: {step: its number of records, or None}} of the steps held at `path`, of those wanted."""
+    return {rank: {step: count for step, count in steps.items() if wanted is None or step in wanted}
+            for rank, steps in dumped_steps(path).items()}
 
 
-def _check_steps_in_common(opened: list[dict[int, Dump]], paths: list) -> None:
-    """Two dumps with no step in common have nothing to compare: never "aligned"."""
-    steps = []
-    for path, runs in zip(paths, opened):
-        held = {int(s) for run in runs.values() for s in np.unique(run.records["step"])}
-        if not held:
-            notes = [n for run in runs.values() for n in run.notes]
-            raise UserError(f"{path} holds no complete dumped step" + (f" ({notes[0]})" if notes else ""))
-        steps.append(held)
-    if not set.intersection(*steps):
+def _check_runs(held: list[dict[int, dict]], paths: list, wanted: set[int] | None) -> None:
+    """The same ranks on every side, some of the wanted steps held, and a step in common: two dumps
+    with no step in common have nothing to compare, and are never "aligned"."""
+    for path, ranks in zip(paths[1:], held[1:]):
+        if set(ranks) != set(held[0]):
+            raise UserError(f"the runs have different ranks: {sorted(held[0])} in {paths[0]}, "
+                            f"{sorted(ranks)} in {path}")
+    steps = [set().union(*ranks.values()) for ranks in held]
+    for path, found in zip(paths, steps):
+        if not found and wanted is not None:
+            listed = ", ".join(map(str, sorted(wanted)[:10]))
+            raise UserError(f"{path} holds none of the steps asked for ({listed})")
+        if not found:
+            raise UserError(f"{path} holds no complete dumped step")
+    if not steps[0] & steps[1]:
         raise UserError(f"no step in common: {paths[0]} holds steps {_listed(steps[0])}, {paths[1]} steps "
                         f"{_listed(steps[1])} (runs are compared at the same steps: give both the same --dump-steps)")
+
+
+def _windows(path_a: str | Path, held_a: dict[int, dict[int, int | None]], steps: list[int]) -> list[list[int]]:
+    """The steps in windows of at most ROWS_PER_WINDOW of A's records (at least one step each), by
+    each step's count where the dump tells it, else as many as its first step holds (read to count)."""
+    counts = {step: sum(ranks.get(step) or 0 for ranks in held_a.values()) for step in steps}
+    if len(steps) > 1 and any(None in ranks.values() for ranks in held_a.values()):
+        first = open_run(path_a, {steps[0]})
+        try:
+            counts = dict.fromkeys(steps, sum(len(dump.records) for dump in first.values()))
+        finally:
+            _close(first)
+    windows: list[list[int]] = []
+    held = 0  # records in the last window
+    for step in steps:
+        if not windows or held + counts[step] > ROWS_PER_WINDOW:
+            windows.append([])
+            held = 0
+        windows[-1].append(step)
+        held += counts[step]
+    return windows
 
 
 def _listed(steps: set[int]) -> str:
     ordered = sorted(steps)
     return ", ".join(map(str, ordered[:5])) + (f", ... ({len(ordered)} in all)" if len(ordered) > 5 else "")
-
-
-def _check_something_matched(rows: Table, source_a: str, source_b: str) -> None:
-    """Dumps in which no record pairs with one of the other (other models, other names) are not
-    two runs of one training: never "aligned"."""
-    if isin(rows["pairing"], PAIRED).any():
-        return
-    example = {side: next(iter(rows["name"][rows["pairing"] == f"only_{side}"]), "nothing") for side in "ab"}
-    raise UserError(f"no record of {source_a} pairs with one of {source_b} in the steps they share: A's calls are "
-                    f"named like {example['a']!r}, B's like {example['b']!r} (dumps of different models?)")
 
 
 def _close(runs: dict[int, Dump]) -> None:
@@ -167,21 +183,30 @@ def _work(a: Dump, b: Dump, replay: bool) -> int:
     return steps + tensors + calls
 
 
-def _compare_pairs(pairs: list[tuple[Dump, Dump, bool]], wanted: set[int] | None,
-                   tracker: _Tracker) -> list[tuple[Table, list[str], list]]:
-    """Each rank pair measured (_compare_rank): here where there is one pair or one core, else in
-    processes of their own, one pair each, as many at once as there are cores (each opens its
-    pair again by path: open dumps do not cross processes)."""
-    workers = min(len(pairs), os.cpu_count() or 1)
+@contextmanager
+def _workers(pairs: int) -> Iterator[ProcessPoolExecutor | None]:
+    """Processes to measure `pairs` rank pairs in, one pair each, as many at once as there are
+    cores, kept for every window; None where there is one pair or one core (measured here)."""
+    workers = min(pairs, os.cpu_count() or 1)
     if workers < 2 or not _main_importable():
-        return [_compare_rank(a, b, tracker, replay) for a, b, replay in pairs]
+        yield None
+        return
     context = multiprocessing.get_context("spawn")  # a fork would share the open HDF5 files
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        futures = [pool.submit(_compare_rank_at, a.source, b.source, a.rank, wanted, replay) for a, b, replay in pairs]
-        parts = []
-        for future, (a, b, replay) in zip(futures, pairs):
-            parts.append(future.result())
-            tracker.advance(_work(a, b, replay))
+        yield pool
+
+
+def _compare_pairs(pairs: list[tuple[Dump, Dump, bool]], wanted: set[int] | None, tracker: _Tracker,
+                   pool: ProcessPoolExecutor | None) -> list[tuple[Table, list[str], list]]:
+    """Each rank pair measured (_compare_rank), here or in `pool`'s processes (each opens its pair
+    again by path: open dumps do not cross processes)."""
+    if pool is None:
+        return [_compare_rank(a, b, tracker, replay) for a, b, replay in pairs]
+    futures = [pool.submit(_compare_rank_at, a.source, b.source, a.rank, wanted, replay) for a, b, replay in pairs]
+    parts = []
+    for future, (a, b, replay) in zip(futures, pairs):
+        parts.append(future.result())
+        tracker.advance(_work(a, b, replay))
     return parts
 
 
@@ -360,112 +385,3 @@ def _hyper_parameters(a: Dump, b: Dump) -> list[tuple[str, object, object]]:
             return []
         first.append(dump.args_reader(int(dump.records["step"][found[0]]), int(dump.records["call"][found[0]])))
     return hyper_parameter_differences(*first)
-
-
-def _stack_lookup(dump: Dump) -> Callable[[int, int], list[str]]:
-    """(step, seq) -> user frames of the call, for the culprit report; made when asked (few are)."""
-    records = dump.records
-    call_of = dict(zip(zip(records["step"].tolist(), records["seq"].tolist()), records["call"].tolist()))
-
-    def stack(step: int, seq: int) -> list[str]:
-        call = call_of.get((step, seq))
-        return [] if call is None else user_frames(dump.stacks.get((step, call), []))
-
-    return stack
-
-
-def _conclude(parts, runs_a, runs_b, thresholds, source_a: str, source_b: str, reference: Table | None,
-              runs_reference: dict[int, Dump] | None) -> Comparison:
-    """The verdict in stages, each a function of the ones before: rows against their limits
-    (verdict.py), the call table (rootcause.py), the judgement of each call (judge.py), and which
-    failing rows the noise model explains (explain.py)."""
-    rows = Table.concat([p[0] for p in parts])
-    _check_something_matched(rows, source_a, source_b)
-    notes = [n for dump in list(runs_a.values()) + list(runs_b.values()) for n in dump.notes]
-    notes += [n for p in parts for n in p[1]]
-    stack_lookups = {rank: _stack_lookup(dump) for rank, dump in runs_a.items()}  # rank -> (step, seq) -> frames
-    first_a, first_b = runs_a[min(runs_a)], runs_b[min(runs_b)]
-    diff = manifest_diff(first_a.manifest, first_b.manifest)
-
-    judged_rows = judge_rows(rows, thresholds, reference)
-    rounding, rounding_notes = rounding_level(rows, judged_rows.verdict)
-    rows["identical"] = judged_rows.identical
-    identity = tensor_identities(rows)
-    producer = producers(rows, judged_rows.verdict, identity)
-    calls = call_table(rows, judged_rows.verdict, rounding, identity, producer)
-    fallback = "reference" if reference is not None else "intrinsic"
-    judgement = judge(calls, fallback, exact=bit_comparable(rows, judged_rows.identical, diff, first_a.manifest))
-    explanation = explain(rows, judged_rows.verdict, rounding, identity, producer, calls, judgement)
-
-    rows["severity"], rows["over_dtype_limits"] = judged_rows.severity, judged_rows.over_dtype_limits
-    rows["verdict"], rows["explained_by"] = explanation.verdict, explanation.explained_by
-    exact = rows_of(rows, calls, judgement.culprit & (judgement.evidence == "exact"))
-    # a change its statistics may not see
-    rows["verdict"][exact & isin(rows["role"], OUTPUT_ROLES) & ~rows["identical"]] = "fail"
-    rows["introduced_error"] = _introduced_per_row(rows, calls)
-    notes += rounding_notes
-    if runs_reference is not None:
-        notes += reference_notes(runs_reference)
-    stack_of = lambda rank, step, seq: stack_lookups[rank](step, seq) if rank in stack_lookups else []
-    first = first_divergence(calls, judgement.culprit, stack_of)
-    first_bwd = first_divergence(calls, judgement.culprit, stack_of, direction="backward")
-    notes += manifest_notes(diff) + numerics_notes(first_a.manifest, first_b.manifest)
-    notes += _coverage_notes(rows)
-    hyper_parameters = parts[0][2] if parts else []
-    if hyper_parameters:
-        notes.append("the optimizer's hyper-parameters differ: " + ", ".join(
-            f"{key} {va!r} in A, {vb!r} in B" for key, va, vb in hyper_parameters))
-    verdict, pairing = rows["verdict"], rows["pairing"]
-    failed = bool((verdict == "fail").any())
-    # different initial weights make every later agreement accidental: never "aligned"
-    weights_differ = _weights_differ(diff) or bool(
-        (judgement.culprit & (calls["kind"] == "initial_weights")).any())
-    coverage = {"matched": int(isin(pairing, PAIRED).sum()),
-                "only_a": int((pairing == "only_a").sum()), "only_b": int((pairing == "only_b").sum())}
-    coverage.update({label: int((pairing == label).sum())
-                     for label in ("realigned", "shape_mismatch", "dtype_mismatch")})
-    if failed and first is None:
-        first, note = unexplained_source(rows, calls, stack_of)
-        notes.append(note)
-    order = np.lexsort((rows["seq_b"], rows["seq_a"], rows["step"], rows["rank"]))  # NaN (no record) last
-    return Comparison(
-        verdict="diverged" if failed or weights_differ or judgement else "aligned",
-        rows=rows.select(ROW_COLUMNS).take(order),
-        coverage=coverage, first_divergence=first, culprits=culprits(calls, judgement, stack_of),
-        thresholds=thresholds, source_a=source_a, source_b=source_b,
-        metrics_a=first_a.metrics, metrics_b=first_b.metrics, manifest_diff=diff, notes=notes,
-        first_divergence_backward=first_bwd,
-        noise_model=noise_model(judgement, fallback),
-        rows_over_dtype_limits=int(rows["over_dtype_limits"].sum()),
-        culprit_groups=culprit_groups(calls, judgement, hyper_parameters),
-        explained=explanation.counts(), rank_verdicts=_rank_verdicts(rows, calls, judgement))
-
-
-def _rank_verdicts(rows: Table, calls: Table, judgement) -> dict[int, str]:
-    """Per rank: diverged where a row of it still fails or a culprit ran on it."""
-    ranks = sorted(set(rows["rank"].tolist()))
-    failing = set(rows["rank"][rows["verdict"] == "fail"].tolist()) | set(calls["rank"][judgement.culprit].tolist())
-    return {rank: "diverged" if rank in failing else "aligned" for rank in ranks}
-
-
-def _introduced_per_row(rows: Table, calls: Table) -> np.ndarray:
-    """The call's introduced error on its output rows, NaN elsewhere."""
-    keys = ("rank", "step", "direction")
-    call = lookup([*(rows[k] for k in keys), rows["seq_a"]],
-                  [*(calls[k] for k in keys), calls["seq_a"].astype(np.float64)])
-    return np.where(isin(rows["role"], OUTPUT_ROLES), gather(calls["introduced_error"], call, np.nan), np.nan)
-
-
-def _weights_differ(diff: list) -> bool:
-    """The manifests' weights hashes differ, taken in the same dtype (in another dtype the same
-    initial weights hash apart: the parameter records tell instead)."""
-    return weights_comparable(diff) and any(key == "weights_sha256" and None not in (va, vb) for key, va, vb in diff)
-
-
-def _coverage_notes(rows: Table) -> list[str]:
-    notes = []
-    for label, side in (("only_a", "A"), ("only_b", "B")):
-        count = int((rows["pairing"] == label).sum())
-        if count:
-            notes.append(f"{count} records only in {side} (listed as {label})")
-    return notes

@@ -7,9 +7,11 @@ DataFrames, made on first read: comparing and reporting never import pandas.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pi0align.compare.rowstore import RowStore
 from pi0align.compare.table import Table
 
 if TYPE_CHECKING:
@@ -85,10 +87,10 @@ class CulpritGroup:
 
 
 class TableField:
-    """A dataclass field set to a Table or a pandas DataFrame and read as a DataFrame.
+    """A dataclass field set to a Table, a RowStore or a pandas DataFrame and read as a DataFrame.
 
-    A Table is turned into a DataFrame on first read, which then replaces it: changes made to the
-    DataFrame are what `Comparison.table()` and the reports see.
+    A Table or RowStore is turned into a DataFrame on first read, which then replaces it: changes
+    made to the DataFrame are what `Comparison.table()` and the reports see.
     """
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -98,11 +100,13 @@ class TableField:
         if instance is None:
             raise AttributeError(self.name)  # no class-level default: the field is required
         value = instance.__dict__[self.name]
+        if isinstance(value, RowStore):
+            value = value.table()
         if isinstance(value, Table):
             value = instance.__dict__[self.name] = value.to_pandas()
         return value
 
-    def __set__(self, instance: Any, value: Table | pd.DataFrame) -> None:
+    def __set__(self, instance: Any, value: Table | RowStore | pd.DataFrame) -> None:
         instance.__dict__[self.name] = value
 
 
@@ -134,8 +138,28 @@ class Comparison:
         """Aligned, with pairs beyond the fixed dtype limits that the noise model explains."""
         return self.verdict == "aligned" and self.rows_over_dtype_limits > 0
 
-    def table(self, name: str = "rows") -> Table:
-        """`rows`, `metrics_a` or `metrics_b` as a Table, without pandas unless a DataFrame is
-        already there (then its current content)."""
+    def table(self, name: str = "rows", columns: list[str] | None = None) -> Table:
+        """`rows`, `metrics_a` or `metrics_b` as a Table (these columns, or all), without pandas
+        unless a DataFrame is already there (then its current content). The rows of a compare of
+        many steps are on disk: `row_parts` reads them a part at a time."""
         value = self.__dict__[name]
-        return value if isinstance(value, Table) else Table.from_pandas(value)
+        return value.table(columns) if isinstance(value, RowStore) else self._table(name, columns)
+
+    def row_parts(self, columns: list[str] | None = None) -> Iterator[Table]:
+        """The rows, a part (a window of steps of one rank) at a time, in order; these columns, or all."""
+        value = self.__dict__["rows"]
+        if isinstance(value, RowStore):
+            yield from value.parts(columns)
+            return
+        yield self._table("rows", columns)
+
+    def row_column_names(self) -> list[str]:
+        """The columns of `rows`: ROW_COLUMNS, and any a user added to the DataFrame."""
+        value = self.__dict__["rows"]
+        return list(value.columns) if isinstance(value, RowStore | Table) else [str(c) for c in value.columns]
+
+    def _table(self, name: str, columns: list[str] | None = None) -> Table:
+        value = self.__dict__[name]
+        if isinstance(value, Table):
+            return value if columns is None else value.select(columns)
+        return Table.from_pandas(value if columns is None else value[columns])

@@ -40,19 +40,27 @@ def execution_order(rows: Table) -> np.ndarray:
     return np.where(np.isnan(seq_a), rows["seq_b"].astype(np.float64), seq_a)
 
 
+_POINT_COLUMNS = ["step", "name", "direction", "role", "seq_a", "seq_b", "rel_l2_err", "norm_rel_err"]
+
+
+def _points(rows: Table) -> Table:
+    """The rows' outputs (and parameters, gradients) with an error and a place: step, name,
+    direction, order, error."""
+    rows = rows.take(isin(rows["role"], OUTPUT_ROLES + PARAMETER_ROLES))
+    points = Table({
+        "step": rows["step"], "name": rows["name"], "direction": rows["direction"],
+        "order": execution_order(rows), "error": headline_error(rows),
+    }, length=len(rows))
+    return points.take(~np.isnan(points["error"]) & ~np.isnan(points["order"]))
+
+
 def error_by_step_figure(comparison: Comparison, top: int) -> dict[str, Any] | None:
     """Error out of every call along execution order, one trace per step, the `top` culprits marked.
 
     One point per call: the largest error among its outputs (or its parameter and gradient), over
     all ranks. Its inputs are earlier calls' outputs, so plotting them too would only zigzag the line.
     """
-    rows = comparison.table()
-    rows = rows.take(isin(rows["role"], OUTPUT_ROLES + PARAMETER_ROLES))
-    points = Table({
-        "step": rows["step"], "name": rows["name"], "direction": rows["direction"],
-        "order": execution_order(rows), "error": headline_error(rows),
-    }, length=len(rows))
-    points = points.take(~np.isnan(points["error"]) & ~np.isnan(points["order"]))
+    points = Table.concat([_points(part) for part in comparison.row_parts(_POINT_COLUMNS)])
     if not len(points):
         return None
     # the call's largest error (its first row, among equals), in order of step and position

@@ -150,19 +150,23 @@ def _groups_table(comparison: Comparison) -> Table:
 
 
 def _one_sided_table(comparison: Comparison) -> Table | None:
-    rows = comparison.table()
-    one_sided = np.flatnonzero(isin(rows["pairing"], ["only_a", "only_b"]))
-    if not len(one_sided):
-        return None
-    table = Table(title=f"records on one side only ({len(one_sided)})", title_justify="left")
+    table = Table(title_justify="left")
     for column in ("side", "step", "rank", "name", "role", "arg"):
         table.add_column(column, overflow="fold")
-    for i in one_sided[:LISTED_PER_SECTION]:
-        side = "A" if rows["pairing"][i] == "only_a" else "B"
-        table.add_row(side, str(rows["step"][i]), str(rows["rank"][i]), escape(str(rows["name"][i])),
-                      str(rows["role"][i]), str(rows["arg_index"][i]))
-    if len(one_sided) > LISTED_PER_SECTION:
-        table.caption = f"… and {len(one_sided) - LISTED_PER_SECTION} more (see --csv or the HTML report)"
+    count = listed = 0
+    for rows in comparison.row_parts(["pairing", "step", "rank", "name", "role", "arg_index"]):
+        one_sided = np.flatnonzero(isin(rows["pairing"], ["only_a", "only_b"]))
+        count += len(one_sided)
+        for i in one_sided[:LISTED_PER_SECTION - listed].tolist():
+            side = "A" if rows["pairing"][i] == "only_a" else "B"
+            table.add_row(side, str(rows["step"][i]), str(rows["rank"][i]), escape(str(rows["name"][i])),
+                          str(rows["role"][i]), str(rows["arg_index"][i]))
+            listed += 1
+    if not count:
+        return None
+    table.title = f"records on one side only ({count})"
+    if count > listed:
+        table.caption = f"… and {count - listed} more (see --csv or the HTML report)"
     return table
 
 

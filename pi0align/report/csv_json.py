@@ -15,13 +15,12 @@ from pi0align.report.summary import summary
 
 def write_csv(comparison: Comparison, path: str | Path) -> Path:
     """Every row, columns as in `ROW_COLUMNS` then any the engine added; empty cells where not computable."""
-    rows = comparison.table()
-    columns = row_columns(rows)
-    cells = [_csv_cells(rows[column], column in rows.nullable_ints) for column in columns]
+    columns = row_columns(comparison.row_column_names())
     with output_path(path) as path, path.open("w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle, lineterminator="\n")
         writer.writerow(columns)
-        writer.writerows(zip(*cells))
+        for rows in comparison.row_parts(columns):
+            writer.writerows(zip(*(_csv_cells(rows[column], column in rows.nullable_ints) for column in columns)))
     return path
 
 

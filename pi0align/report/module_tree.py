@@ -36,13 +36,14 @@ class ModuleNode:
 
 def module_tree(comparison: Comparison) -> ModuleNode:
     """The root (the model) with every module that made a judged call, children in the order met."""
-    rows = comparison.table()
-    calls = np.isin(rows["direction"].astype(str), CALL_DIRECTIONS)
-    introduced = rows["introduced_error"].astype(np.float64)
-    modules = rows["module"][calls].astype(object)
     root = ModuleNode("", "")
     nodes = {"": root}
-    if len(modules):
+    for rows in comparison.row_parts(["direction", "module", "introduced_error"]):
+        calls = np.isin(rows["direction"].astype(str), CALL_DIRECTIONS)
+        introduced = rows["introduced_error"].astype(np.float64)
+        modules = rows["module"][calls].astype(object)
+        if not len(modules):
+            continue
         per_module = Groups(modules)  # in the order first met
         for module, value in zip(modules[per_module.first].tolist(), per_module.max(introduced[calls]).tolist()):
             for node in _ancestors(_node(module, nodes).path, nodes):

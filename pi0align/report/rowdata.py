@@ -7,6 +7,7 @@ per distinct value (module paths, APIs, stacks repeat across steps), stay small 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -18,19 +19,27 @@ SIGNIFICANT_DIGITS = 5
 
 
 def rows_json(rows: Table) -> str:
-    """`{"count": n, "columns": [{"name", "kind": "number", "data"} | {"name", "kind": "text", "values", "codes"}]}`.
+    """`rows_json_pieces` of a table, joined."""
+    return "".join(rows_json_pieces(row_columns(rows.columns), len(rows), rows.__getitem__))
+
+
+def rows_json_pieces(names: list[str], count: int, column: Callable[[str], np.ndarray]) -> Iterator[str]:
+    """`{"count": n, "columns": [{"name", "kind": "number", "data"} | {"name", "kind": "text", "values", "codes"}]}`,
+    in pieces, a column each (`column(name)`: its values), so that rows on disk are read a column at a time.
 
     Missing numbers are null; infinities are written 1e999, which is valid JSON that JSON.parse
     reads as Infinity (strict JSON has no Infinity, and inf is a real answer: e.g. B zero, A not).
     Safe to embed in a <script> element: "<" is escaped.
     """
-    columns = [_column_json(name, rows[name]) for name in row_columns(rows)]
-    return f'{{"count":{len(rows)},"columns":[{",".join(columns)}]}}'.replace("<", "\\u003c")
+    yield f'{{"count":{count},"columns":['
+    for k, name in enumerate(names):
+        yield ("," if k else "") + _column_json(name, column(name)).replace("<", "\\u003c")
+    yield "]}"
 
 
-def row_columns(rows: Table) -> list[str]:
-    """`ROW_COLUMNS`, then any column the engine added (e.g. `rank` for multi-rank runs)."""
-    return ROW_COLUMNS + [column for column in rows.columns if column not in ROW_COLUMNS]
+def row_columns(columns: list[str]) -> list[str]:
+    """`ROW_COLUMNS`, then any other of these columns (one a user added)."""
+    return ROW_COLUMNS + [column for column in columns if column not in ROW_COLUMNS]
 
 
 def _column_json(name: str, column: np.ndarray) -> str:

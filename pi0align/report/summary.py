@@ -78,5 +78,8 @@ def summary(comparison: Comparison) -> dict[str, Any]:
 
 def verdict_counts(comparison: Comparison) -> dict[str, int]:
     """How many rows passed, warned, failed or could not be judged."""
-    verdicts = comparison.table()["verdict"]
-    return {verdict: int((verdicts == verdict).sum()) for verdict in ("pass", "warn", "fail", "n/a")}
+    counts = dict.fromkeys(("pass", "warn", "fail", "n/a"), 0)
+    for part in comparison.row_parts(["verdict"]):
+        for verdict in counts:
+            counts[verdict] += int((part["verdict"] == verdict).sum())
+    return counts

@@ -13,6 +13,7 @@ keeps failing: the run is `diverged`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +25,7 @@ from pi0align.compare.judging.identity import (
     gradient_sources,
     requires_grad,
 )
-from pi0align.compare.judging.judge import Judgement, downstream
+from pi0align.compare.judging.judge import Judgement, Position, downstream
 from pi0align.compare.judging.modules import containing, enclosing_modules
 from pi0align.compare.judging.rootcause import call_directions, elementwise_errors, phases, row_error
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, looser_classes
@@ -62,11 +63,15 @@ class Explanation:
 
 
 def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np.ndarray, producer: np.ndarray,
-            calls: Table, judgement: Judgement) -> Explanation:
+            calls: Table, judgement: Judgement, earlier: Sequence[Position] = (),
+            states_before: Table | None = None) -> Explanation:
     """The rows' final verdicts: failing rows the noise model explains become `warn`, each labelled.
-    `identity`, `producer`: which records hold the same tensor, and which record produced it."""
+    `identity`, `producer`: which records hold the same tensor, and which record produced it.
+    Where steps before these rows' were judged apart: `earlier`, each rank's first culprit among
+    them (judge.Position); `states_before`, the optimizer's state outputs of the step before that
+    passed or were explained (`explained_states`)."""
     labels = np.where(verdict == "warn", "limits", "").astype(object)
-    open_ = (verdict == "fail") & _before_first(rows, calls, judgement)
+    open_ = (verdict == "fail") & _before_first(rows, calls, judgement, earlier)
     open_ &= ~rows_of(rows, calls, containing(calls, judgement.culprit))
     error, _ = row_error(rows)
     sources = elementwise_errors(rows)  # what each record may carry into a sum it is a term of
@@ -89,7 +94,7 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
     settle(_gradient_sums_within(rows, identity, error, sources, verdict, fine()), "gradient_sum")
     settle(_accumulated_within(rows, identity, producer, error, sources, verdict, fine()), "gradient_sum")
     settle(_clipped_within(rows, error, fine()), "clipping")
-    settle(_states_within(rows, fine()), "producer")
+    settle(_states_within(rows, fine(), states_before), "producer")
     settle(_made_inside(rows, calls, call, judgement, producer), "module")
     final = verdict.copy()
     final[(verdict == "fail") & (labels != "") & (labels != "limits")] = "warn"
@@ -108,12 +113,12 @@ def rows_of(rows: Table, calls: Table, selected: np.ndarray) -> np.ndarray:
     return gather(selected, calls_of(rows, calls), False).astype(bool)
 
 
-def _before_first(rows: Table, calls: Table, judgement: Judgement) -> np.ndarray:
+def _before_first(rows: Table, calls: Table, judgement: Judgement, earlier: Sequence[Position]) -> np.ndarray:
     """Rows that ran before the first culprit reached them (judge.downstream, its own rows
     included): those after it may inherit its error, and stay failing where they exceed their
     limits."""
     return ~downstream(rows["rank"], rows["step"], phases(call_directions(rows)), rows["seq_a"], calls,
-                       judgement.culprit, inclusive=True)
+                       judgement.culprit, inclusive=True, earlier=earlier)
 
 
 def _floors(rows: Table) -> np.ndarray:
@@ -177,20 +182,34 @@ def _clipped_within(rows: Table, error: np.ndarray, fine: np.ndarray) -> np.ndar
     return update_grad & (own_row >= 0) & gather(fine, own_row, False) & within
 
 
-def _states_within(rows: Table, fine: np.ndarray) -> np.ndarray:
+STATE_KEYS = ("step", "rank", "name", "arg_index", "checksum_a", "checksum_b")
+
+
+def _state_outputs(rows: Table) -> np.ndarray:
+    """The optimizer's state outputs (outputs 2 on: what the next update reads as its inputs 2 on)."""
+    return (rows["direction"] == "optimizer") & (rows["role"] == "output") & (rows["arg_index"] >= 2)
+
+
+def explained_states(rows: Table, verdict: np.ndarray) -> Table:
+    """The optimizer's state outputs whose final verdict is no `fail`, by STATE_KEYS: what explains
+    the states the next step's update reads (`explain`'s `states_before`)."""
+    fine = _state_outputs(rows) & (verdict != "fail")
+    return Table({key: rows[key][fine] for key in STATE_KEYS}, length=int(fine.sum()))
+
+
+def _states_within(rows: Table, fine: np.ndarray, states_before: Table | None) -> np.ndarray:
     """An update's state tensors (inputs 2 on) hold what the update of the step before left: the
-    same bits as its explained output of the same index."""
-    update = rows["direction"] == "optimizer"
-    states = update & (rows["role"] == "input") & (rows["arg_index"] >= 2)
-    outputs = np.flatnonzero(update & (rows["role"] == "output") & (rows["arg_index"] >= 2))
-    if not states.any() or not len(outputs):
+    same bits as its explained output of the same index (among these rows, or `states_before`)."""
+    states = (rows["direction"] == "optimizer") & (rows["role"] == "input") & (rows["arg_index"] >= 2)
+    explained = Table({key: rows[key] for key in STATE_KEYS}, length=len(rows)).take(_state_outputs(rows) & fine)
+    if states_before is not None:
+        explained = Table.concat([explained, states_before])
+    if not states.any() or not len(explained):
         return np.zeros(len(rows), bool)
-    keys = ("rank", "name", "arg_index", "checksum_a", "checksum_b")
-    previous = lookup([rows["step"] - 1, *(rows[k] for k in keys)],
-                      [rows["step"][outputs], *(rows[k][outputs] for k in keys)])
+    keys = STATE_KEYS[1:]
+    previous = lookup([rows["step"] - 1, *(rows[k] for k in keys)], [explained[k] for k in STATE_KEYS])
     known = (rows["checksum_a"] != -1) & (rows["checksum_b"] != -1)
-    before = np.where(previous >= 0, outputs[np.maximum(previous, 0)], -1)
-    return states & known & (previous >= 0) & gather(fine, before, False)
+    return states & known & (previous >= 0)
 
 
 def _made_inside(rows: Table, calls: Table, call: np.ndarray, judgement: Judgement,

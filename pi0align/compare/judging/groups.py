@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from pi0align.compare.judging.judge import Judgement
-from pi0align.compare.judging.rootcause import culprit_order
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.reading.records import subjects
 from pi0align.compare.result import CulpritGroup
@@ -32,35 +30,47 @@ def family(api: str, kind: str = "call") -> str:
     return "matmul family" if api.rsplit(".", 1)[-1] in MATMUL_FAMILY else api
 
 
-def culprit_groups(calls: Table, judgement: Judgement,
+def _families(calls: Table) -> np.ndarray:
+    return np.array([family(api, kind) for api, kind in zip(calls["api"].astype(str).tolist(), calls["kind"].tolist())],
+                    dtype=object)
+
+
+def family_counts(calls: Table, counts: dict[tuple[str, str], tuple[int, int]] | None = None
+                  ) -> dict[tuple[str, str], tuple[int, int]]:
+    """(kind, family) -> (judged calls, of which introduce error: outputs failing, more error out
+    than in), added to `counts` where given (the calls of other steps)."""
+    counts = dict(counts or {})
+    introduces = (calls["outputs_fail"] & (calls["introduced_error"] > 1)).tolist()
+    for key, adds in zip(zip(calls["kind"].tolist(), _families(calls).tolist()), introduces):
+        total, introducing = counts.get(key, (0, 0))
+        counts[key] = (total + 1, introducing + int(adds))
+    return counts
+
+
+def culprit_groups(guilty: Table, blame: np.ndarray, counts: dict[tuple[str, str], tuple[int, int]],
                    hyper_parameters: list[tuple[str, object, object]]) -> list[CulpritGroup]:
-    """The groups in the order of their first culprit (earliest step, then the step's phase, most
-    blame first: rootcause.culprits' order), most culprits first among equals: the finding that
-    parted the runs first leads. hyper_parameters: the optimizer settings that differ."""
-    if not judgement:
+    """The groups in the order of their first culprit (`guilty`: the culprits' calls in
+    rootcause.culprit_order, earliest step, then the step's phase, most blame first, with their
+    `blame`), most culprits first among equals: the finding that parted the runs first leads.
+    counts: `family_counts` of every judged call; hyper_parameters: the optimizer settings that differ."""
+    if not len(guilty):
         return []
-    ranked = culprit_order(calls, judgement)
-    place = np.empty(len(calls), np.int64)
-    place[ranked] = np.arange(len(ranked))
-    families = np.array([family(api, kind) for api, kind in zip(calls["api"].astype(str).tolist(),
-                                                                calls["kind"].tolist())], dtype=object)
-    introduces = calls["outputs_fail"] & (calls["introduced_error"] > 1)
+    families = _families(guilty)
     groups, first = [], []
-    for kind, api in sorted({(k, f) for k, f in zip(calls["kind"][judgement.culprit].tolist(),
-                                                    families[judgement.culprit].tolist())}):
-        members = (calls["kind"] == kind) & (families == api)
-        guilty = members & judgement.culprit
-        share = float(introduces[members].mean())
-        unit = float(np.max(np.maximum(calls["unit_a"][guilty], calls["unit_b"][guilty])))
-        typical_error = float(np.median(calls["output_error"][guilty]))
-        names = calls["name"][guilty].tolist()
-        unrecorded = sorted({(int(p), int(s)) for p, s in zip(calls["previous_step"][guilty].tolist(),
-                                                               calls["step"][guilty].tolist()) if p >= 0})
-        first.append(int(place[guilty].min()))
+    for kind, api in sorted(set(zip(guilty["kind"].tolist(), families.tolist()))):
+        members = np.flatnonzero((guilty["kind"] == kind) & (families == api))
+        total, introducing = counts[(kind, api)]
+        share = introducing / total
+        unit = float(np.max(np.maximum(guilty["unit_a"][members], guilty["unit_b"][members])))
+        typical_error = float(np.median(guilty["output_error"][members]))
+        names = guilty["name"][members].tolist()
+        unrecorded = sorted({(int(p), int(s)) for p, s in zip(guilty["previous_step"][members].tolist(),
+                                                               guilty["step"][members].tolist()) if p >= 0})
+        first.append(int(members[0]))
         groups.append(CulpritGroup(
-            kind=kind, api=api, count=int(guilty.sum()), calls=int(members.sum()), share_introducing=share,
-            median_ratio=float(np.median(judgement.blame[guilty])), median_output_error=typical_error,
-            hint=hint(kind, api, share, int(members.sum()), unit, typical_error, hyper_parameters, names, unrecorded),
+            kind=kind, api=api, count=len(members), calls=total, share_introducing=share,
+            median_ratio=float(np.median(blame[members])), median_output_error=typical_error,
+            hint=hint(kind, api, share, total, unit, typical_error, hyper_parameters, names, unrecorded),
             examples=list(dict.fromkeys(names))[:3]))
     return [group for _, _, group in sorted(zip(first, (-g.count for g in groups), groups), key=lambda t: t[:2])]
 

@@ -34,6 +34,7 @@ something else.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +45,8 @@ from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.table import Groups, Table, isin
 
 NOISE_MODELS = ("replay", "exact", "reference", "intrinsic")
+# where a call ran: (rank, step, phase of the step (rootcause.PHASES), sequence number)
+Position = tuple[int, int, int, float]
 STANDOUT = 4.0  # introduced error ≥ 4 × the median of its API's calls
 FAMILY_UNITS = 256.0  # an API whose typical output error is this many unit roundoffs is off as a family
 MIN_PEERS = 4  # fewer calls of an API than this: no median to stand out from
@@ -104,10 +107,11 @@ WITHIN = {
 }
 
 
-def judge(calls: Table, fallback: str, exact: bool = False) -> Judgement:
+def judge(calls: Table, fallback: str, exact: bool = False, earlier: Sequence[Position] = ()) -> Judgement:
     """Judge every call: by replay where both sides were replayed, else by its bound (bounds.py)
     under `fallback` ("reference" or "intrinsic"), and, where the runs are bit-comparable
-    (`exact`), also by its bits."""
+    (`exact`), also by its bits. `earlier`: the first culprit of each rank in steps judged before
+    these calls' (`Position`), which every one of them ran after."""
     e_a, e_b = calls["local_error_a"].astype(np.float64), calls["local_error_b"].astype(np.float64)
     u_a, u_b = calls["unit_a"].astype(np.float64), calls["unit_b"].astype(np.float64)
     replayed = ~np.isnan(e_a) & ~np.isnan(e_b)
@@ -143,7 +147,7 @@ def judge(calls: Table, fallback: str, exact: bool = False) -> Judgement:
     # adds (a LayerNorm's output keeps its norm whatever its elements hold, and the calls after it
     # seem to amplify what it hid): there a call judged by statistics is blamed by its bits alone
     by_statistics = (calls["metric"] == "stats_rel_err") & ~replayed & isin(kind, ("call", "gradient"))
-    inherited = by_statistics & after_first(calls, innermost(calls, judged))
+    inherited = by_statistics & after_first(calls, innermost(calls, judged), earlier)
     judged &= ~inherited | (changed & exact)
     culprit = innermost(calls, judged | other_arguments)
     evidence = np.where(other_arguments, "arguments", np.where(by_bits, "exact",
@@ -188,9 +192,9 @@ def bit_comparable(rows: Table, identical: np.ndarray, diff: list, manifest: dic
     return bool(identical[first].all())
 
 
-def noise_model(judgement: Judgement, fallback: str) -> str:
-    """The best evidence that judged the run: replay, exact (bits of bit-comparable runs), or the fallback."""
-    used = set(judgement.evidence.tolist())
+def noise_model(used: set[str], fallback: str) -> str:
+    """The best evidence that judged the run (`used`: every call's Judgement.evidence): replay,
+    exact (bits of bit-comparable runs), or the fallback."""
     return "replay" if "replay" in used else "exact" if "exact" in used else fallback
 
 
@@ -222,34 +226,48 @@ def stands_out(calls: Table) -> np.ndarray:
         return (peers < MIN_PEERS) | (introduced >= STANDOUT * typical)
 
 
-def after_first(calls: Table, selected: np.ndarray) -> np.ndarray:
+def after_first(calls: Table, selected: np.ndarray, earlier: Sequence[Position] = ()) -> np.ndarray:
     """Calls downstream of the first selected call (`downstream`, that call itself not)."""
     from pi0align.compare.judging.rootcause import phases
 
-    return downstream(calls["rank"], calls["step"], phases(calls["direction"]), calls["seq_a"], calls, selected)
+    return downstream(calls["rank"], calls["step"], phases(calls["direction"]), calls["seq_a"], calls, selected,
+                      earlier=earlier)
 
 
 # the phases that read what every rank's backward made (DDP's all-reduced gradients)
 SHARED_PHASES = ("update", "optimizer")
 
 
+def first_positions(calls: Table, selected: np.ndarray) -> list[Position]:
+    """The first selected call of each rank, in execution order, as a Position."""
+    from pi0align.compare.judging.rootcause import phases
+
+    call_phase = phases(calls["direction"])
+    firsts = []
+    for own in np.unique(calls["rank"][selected]).tolist():
+        mine = selected & (calls["rank"] == own)
+        firsts.append((own, *min(zip(calls["step"][mine].tolist(), call_phase[mine].tolist(),
+                                     calls["seq_a"][mine].tolist()))))
+    return firsts
+
+
 def downstream(rank: np.ndarray, step: np.ndarray, phase: np.ndarray, seq: np.ndarray, calls: Table,
-               selected: np.ndarray, inclusive: bool = False) -> np.ndarray:
+               selected: np.ndarray, inclusive: bool = False, earlier: Sequence[Position] = ()) -> np.ndarray:
     """Of entries at (rank, step, phase of the step, seq), those that ran after the first selected
     call of `calls` on their rank, in execution order (`inclusive`: that call's own too, and
     entries without a sequence number at its step and phase), or that another rank's reached: the
     ranks of one run train one model, so a call that parts a rank reaches every rank at the next
-    step, and at its own step in the phases that read the all-reduced gradients (SHARED_PHASES)."""
-    from pi0align.compare.judging.rootcause import PHASES, phases
+    step, and at its own step in the phases that read the all-reduced gradients (SHARED_PHASES).
+    `earlier`: first culprits found among calls judged before (earlier steps), as if selected."""
+    from pi0align.compare.judging.rootcause import PHASES
 
     after = np.zeros(len(rank), bool)
-    call_phase = phases(calls["direction"])
     seq = np.asarray(seq, np.float64)
-    firsts = []
-    for own in np.unique(calls["rank"][selected]).tolist():
-        mine = selected & (calls["rank"] == own)
-        first = min(zip(calls["step"][mine].tolist(), call_phase[mine].tolist(), calls["seq_a"][mine].tolist()))
-        firsts.append(first)
+    first_of_rank: dict[int, tuple] = {}
+    for own, *first in [*earlier, *first_positions(calls, selected)]:
+        first_of_rank[own] = min(first_of_rank.get(own, tuple(first)), tuple(first))
+    firsts = list(first_of_rank.values())
+    for own, first in first_of_rank.items():
         later_seq = ~(seq < first[2]) if inclusive else seq > first[2]
         later = (step > first[0]) | ((step == first[0]) & ((phase > first[1]) | ((phase == first[1]) & later_seq)))
         after |= (rank == own) & later

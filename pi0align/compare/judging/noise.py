@@ -30,8 +30,8 @@ def rounding_floor(dtypes_a: np.ndarray, dtypes_b: np.ndarray) -> np.ndarray:
     return np.array([ROUNDING_UNITS[c] * UNIT_ROUNDOFF[c] if c else 0.0 for c in classes])
 
 
-def rounding_level(rows: Table, verdict: np.ndarray) -> tuple[np.ndarray, list[str]]:
-    """Mask of failing gradient records at rounding level, and a note naming them."""
+def rounding_level(rows: Table, verdict: np.ndarray) -> np.ndarray:
+    """Mask of failing gradient records at rounding level."""
     role, rank, step = rows["role"], rows["rank"], rows["step"]
     backward = (rows["direction"] == "backward") & isin(role, _GRADIENT_ROLES)
     parameter_grad = role == "parameter_grad"
@@ -43,10 +43,13 @@ def rounding_level(rows: Table, verdict: np.ndarray) -> tuple[np.ndarray, list[s
     floor = rounding_floor(rows["dtype_a"], rows["dtype_b"]) * reference
     with np.errstate(invalid="ignore"):
         tiny = (norm_a < floor) & (rows["norm_b"].astype(np.float64) < floor)
-    rounding = tiny & (backward | parameter_grad) & (role != "grad_output") & (verdict == "fail")
-    if not rounding.any():
-        return rounding, []
-    names = sorted(set(rows["name"][rounding].tolist()))
-    note = (f"{int(rounding.sum())} failing gradients are at rounding level (zero in exact arithmetic); judged "
-            f"warn: {', '.join(names[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3 else ""))
-    return rounding, [note]
+    return tiny & (backward | parameter_grad) & (role != "grad_output") & (verdict == "fail")
+
+
+def rounding_notes(count: int, names: set[str]) -> list[str]:
+    """A note naming the `count` failing gradients at rounding level (`rounding_level`), of these names."""
+    if not count:
+        return []
+    names = sorted(names)
+    return [f"{count} failing gradients are at rounding level (zero in exact arithmetic); judged warn: "
+            f"{', '.join(names[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")]

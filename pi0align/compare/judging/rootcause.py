@@ -93,11 +93,14 @@ def producers(rows: Table, verdict: np.ndarray, identity: np.ndarray) -> np.ndar
 
 
 def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np.ndarray,
-               producer: np.ndarray) -> Table:
+               producer: np.ndarray, first_step: int | None = None, parameters_before: Table | None = None) -> Table:
     """One row per judged call (CALL_COLUMNS), in order of step, seq_a and rank. `verdict`: each
     record's verdict against its limits; `rounding`: records whose difference is rounding-level
     noise (noise.py), which fail no call; `identity`: each record's tensor (identity.py);
-    `producer`: the record that produced each record's tensor (`producers`)."""
+    `producer`: the record that produced each record's tensor (`producers`). Where steps before
+    these rows' were judged apart: `first_step`, the first step of the comparison (else these
+    rows' first); `parameters_before`, the latest calls of each parameter, its gradient and its
+    update among them (`parameter_calls`)."""
     failing_rows = (verdict == "fail") & ~rounding
     error_rows, metric_rows = row_error(rows)
     sources = np.where(rounding, np.nan, elementwise_errors(rows))  # rounding noise enters no call
@@ -138,9 +141,10 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     calls["invariant_error"] = invariant_errors(calls, judged, groups.codes)
     calls["sourced"] = np.ones(len(calls), bool)  # False: what made its input is not known
     calls["previous_step"] = np.full(len(calls), -1, np.int64)
-    first_step = int(rows["step"].min()) if len(rows) else 0
+    if first_step is None:
+        first_step = int(rows["step"].min()) if len(rows) else 0
     _add_module_parameters(calls, judged, error, fail)
-    _add_parameter_sources(calls)
+    _add_parameter_sources(calls, parameters_before)
     calls["step_bound"], calls["parameter_error"] = step_bounds(calls, judged, groups.codes, error)
     _add_saved_tensors(calls)
     _add_gradient_sources(calls, rows, identity, sources, failing_rows)
@@ -226,36 +230,58 @@ def _add_module_parameters(calls: Table, judged: Table, error: np.ndarray, fail:
             calls["inputs_identical"][i] &= entry[2]
 
 
-def _add_parameter_sources(calls: Table) -> None:
+PARAMETER_DIRECTIONS = ("parameter", "gradient", "optimizer")
+
+
+def parameter_calls(calls: Table, before: Table | None = None) -> Table:
+    """Of these calls and `before` (an earlier result of this function), the latest call of each
+    parameter, its gradient and its update (PARAMETER_DIRECTIONS), by step: what the next steps'
+    parameters read (`call_table`'s `parameters_before`)."""
+    mine = calls.take(isin(calls["direction"], PARAMETER_DIRECTIONS))
+    both = Table.concat([before.select(mine.columns), mine]) if before is not None else mine
+    latest = np.lexsort((-both["step"], both["direction"], subjects(both["name"]), both["rank"]))
+    both = both.take(latest)
+    return both.take(Groups(both["rank"], subjects(both["name"]), both["direction"]).first)
+
+
+# what a parameter's call reads of the calls before it (`_add_parameter_sources`)
+_SOURCE_COLUMNS = ["rank", "step", "direction", "name", "output_error", "outputs_fail", "outputs_differ"]
+
+
+def _add_parameter_sources(calls: Table, before: Table | None) -> None:
     """A parameter's input is the optimizer's update of it at the step before. Where that update
     was not recorded, the parameter stands for it: its inputs are the parameter and its gradient
     at the last dumped step before (`previous_step`). At a parameter's first dumped step it has no
-    input: the weights were given."""
+    input: the weights were given. `before`: calls of earlier steps (`parameter_calls`)."""
+    own = len(calls)
     param = np.flatnonzero(calls["direction"] == "parameter")
     if not len(param):
         return
-    parameter = subjects(calls["name"])
-    rank, step = calls["rank"], calls["step"]
-    update = np.flatnonzero(calls["direction"] == "optimizer")
-    made_by = {(int(rank[i]), int(step[i]), parameter[i]): i for i in update.tolist()}
-    gradient = np.flatnonzero(calls["direction"] == "gradient")
-    gradient_of = {(int(rank[i]), int(step[i]), parameter[i]): i for i in gradient.tolist()}
-    seen: dict[tuple, int] = {}  # (rank, parameter) -> the call of its last dumped step so far
+    known = calls.select(_SOURCE_COLUMNS)  # these calls, then those before them
+    if before is not None and len(before):
+        known = Table.concat([known, before.select(_SOURCE_COLUMNS)])
+    parameter = subjects(known["name"])
+    rank, step, direction = known["rank"], known["step"], known["direction"]
+    made_by = {(int(rank[i]), int(step[i]), parameter[i]): i for i in np.flatnonzero(direction == "optimizer").tolist()}
+    gradient_of = {(int(rank[i]), int(step[i]), parameter[i]): i
+                   for i in np.flatnonzero(direction == "gradient").tolist()}
+    # (rank, parameter) -> the call of its last dumped step so far, starting from the steps before
+    seen = {(int(rank[i]), parameter[i]): i for i in (np.flatnonzero(direction[own:] == "parameter") + own).tolist()}
     for i in param[np.lexsort((step[param], rank[param]))].tolist():
         key = (int(rank[i]), parameter[i])
-        before, seen[key] = seen.get(key), i
+        last, seen[key] = seen.get(key), i
         source = made_by.get((key[0], int(step[i]) - 1, key[1]))
         if source is not None:
-            calls["input_error"][i] = calls["output_error"][source]
-            calls["inputs_fail"][i] = calls["outputs_fail"][source]
-            calls["inputs_identical"][i] = not calls["outputs_differ"][source]
-        elif before is not None:  # the update between the two dumped steps, not recorded
-            calls["previous_step"][i] = step[before]
-            grad = gradient_of.get((key[0], int(step[before]), key[1]))
-            sources = [before] + ([grad] if grad is not None else [])
-            calls["input_error"][i] = max(calls["output_error"][s] for s in sources)
-            calls["inputs_fail"][i] = any(calls["outputs_fail"][s] for s in sources)
-            calls["inputs_identical"][i] = not any(calls["outputs_differ"][s] for s in sources)
+            sources = [source]
+        elif last is not None:  # the update between the two dumped steps, not recorded
+            calls["previous_step"][i] = step[last]
+            grad = gradient_of.get((key[0], int(step[last]), key[1]))
+            sources = [last] + ([grad] if grad is not None else [])
+        else:
+            continue
+        calls["input_error"][i] = max(known["output_error"][s] for s in sources)
+        calls["inputs_fail"][i] = any(known["outputs_fail"][s] for s in sources)
+        calls["inputs_identical"][i] = not any(known["outputs_differ"][s] for s in sources)
 
 
 def _add_gradient_sources(calls: Table, rows: Table, identity: np.ndarray, error: np.ndarray,

@@ -4,38 +4,56 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pi0align.compare.reading.read_msprobe import is_msprobe_path, read_msprobe
-from pi0align.compare.reading.read_ours import is_pi0align_file, read_pi0align
+from pi0align.compare.reading import read_msprobe, read_ours
 from pi0align.compare.reading.records import Dump
 from pi0align.errors import UserError
 
 
 def open_run(path: str | Path, steps: set[int] | None = None) -> dict[int, Dump]:
-    """{rank: Dump} for every rank found at `path`."""
-    path = Path(path)
+    """{rank: Dump} for every rank found at `path`, holding the records of `steps` (all when None)."""
+    files, path = _locate(Path(path))
+    if files is None:
+        return read_msprobe.read_msprobe(path, steps)
+    dumps = [read_ours.read_pi0align(file, steps) for file in files]
+    try:
+        return _by_rank([(dump.rank, file, dump) for file, dump in zip(files, dumps)], path)
+    except UserError:
+        for dump in dumps:
+            dump.close()
+        raise
+
+
+def dumped_steps(path: str | Path) -> dict[int, dict[int, int | None]]:
+    """{rank: {step: its number of records, None where not known without reading them}} of the
+    steps held at `path`, complete or not, without reading their records."""
+    files, path = _locate(Path(path))
+    if files is None:
+        return read_msprobe.dumped_steps(path)
+    return _by_rank([(rank, file, steps) for file in files for rank, steps in [read_ours.dumped_steps(file)]], path)
+
+
+def _locate(path: Path) -> tuple[list[Path] | None, Path]:
+    """(the pi0align dump files at `path`, or None for an msprobe dump, and the path)."""
     if not path.exists():
         raise UserError(f"{path}: no such file or folder")
-    if is_pi0align_file(path):
-        dump = read_pi0align(path, steps)
-        return {dump.rank: dump}
+    if read_ours.is_pi0align_file(path):
+        return [path], path
     if path.is_dir():
-        files = sorted(p for p in path.glob("*.h5") if is_pi0align_file(p))
+        files = sorted(p for p in path.glob("*.h5") if read_ours.is_pi0align_file(p))
         if files:
-            return _by_rank([read_pi0align(p, steps) for p in files], path)
-    if is_msprobe_path(path):
-        return read_msprobe(path, steps)
+            return files, path
+    if read_msprobe.is_msprobe_path(path):
+        return None, path
     if path.is_file():
         raise UserError(f"{path}: not a dump (neither a pi0align HDF5 file nor an msprobe dump.json)")
     raise UserError(f"{path}: no dump inside (expected *.h5 files or msprobe step*/rank*/dump.json)")
 
 
-def _by_rank(dumps: list[Dump], folder: Path) -> dict[int, Dump]:
-    result: dict[int, Dump] = {}
-    for dump in dumps:
-        if dump.rank in result:
-            for d in dumps:
-                d.close()
-            raise UserError(f"{folder}: two files claim rank {dump.rank} "
-                            f"({Path(result[dump.rank].source).name}, {Path(dump.source).name})")
-        result[dump.rank] = dump
+def _by_rank(items: list[tuple[int, Path, object]], folder: Path) -> dict:
+    """{rank: item} of (rank, file, item) triples, refusing two files of one rank."""
+    result, file_of = {}, {}
+    for rank, file, item in items:
+        if rank in result:
+            raise UserError(f"{folder}: two files claim rank {rank} ({file_of[rank].name}, {file.name})")
+        result[rank], file_of[rank] = item, file
     return result

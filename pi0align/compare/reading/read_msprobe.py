@@ -45,6 +45,17 @@ def is_msprobe_path(path: Path) -> bool:
     return any(path.glob("dump.json")) or any(path.glob("*/dump.json")) or any(path.glob("step*/*/dump.json"))
 
 
+def dumped_steps(path: Path) -> dict[int, dict[int, None]]:
+    """{rank: {step: None}} of an msprobe dump: its steps, whose records are not counted without
+    reading them."""
+    by_rank: dict[int, dict[int, None]] = {}
+    for step, rank, _ in sorted(_step_folders(path)):
+        by_rank.setdefault(rank, {})[step] = None
+    if not by_rank:
+        raise UserError(f"{path}: no msprobe dump.json found (expected step*/rank*/dump.json)")
+    return dict(sorted(by_rank.items()))
+
+
 def read_msprobe(path: Path, steps: set[int] | None = None) -> dict[int, Dump]:
     """All ranks of an msprobe dump: {rank: Dump}."""
     by_rank: dict[int, list[tuple[int, Path]]] = {}

@@ -37,12 +37,33 @@ def is_pi0align_file(path: Path) -> bool:
     return path.is_file() and h5py.is_hdf5(path)
 
 
+def dumped_steps(path: Path) -> tuple[int, dict[int, int]]:
+    """(the file's rank, {step: its number of records} of the steps it holds, complete or not),
+    without reading their records."""
+    def read(f: h5py.File) -> tuple[int, dict[int, int]]:
+        _check_format(f, path)
+        steps = {}
+        for group in f.get("steps", {}).values():
+            records = group.get("records")
+            role = records.get("role") if records is not None else None
+            steps[int(group.attrs.get("step", int(group.name.rpartition("/")[2])))] = len(role) if role else 0
+        return int(f.attrs.get("rank", 0)), dict(sorted(steps.items()))
+
+    return _with_file(path, read)
+
+
 def read_pi0align(path: Path, steps: set[int] | None = None) -> Dump:
     """Open one dump file; records are read now, tensors and samples later, on demand (the steps
     already complete never change, while a run may go on appending others)."""
+    return _with_file(path, lambda f: _read(f, path, steps), keep_open=True)
+
+
+def _with_file(path: Path, read, keep_open: bool = False):
+    """read(the open file), each problem one UserError naming the file; the file closed after,
+    or where `read` fails (`keep_open`: what it returns reads it later)."""
     try:
         with journal.reading(path, LOCK_WAIT_S):
-            return _open(path, steps)
+            return _open(path, read, keep_open)
     except BlockingIOError:
         raise UserError(f"{path}: being written (its writer has been inside one append for over {LOCK_WAIT_S:.0f} s); "
                         "try again when it has moved on") from None
@@ -53,22 +74,25 @@ def read_pi0align(path: Path, steps: set[int] | None = None) -> Dump:
         raise UserError(f"{path}: cannot open it ({error.strerror or error})") from None
 
 
-def _open(path: Path, steps: set[int] | None) -> Dump:
+def _open(path: Path, read, keep_open: bool):
     try:
         f = h5py.File(path, "r", locking=False)  # the writer's lock is journal.py's, never held long
     except OSError as error:
         raise UserError(f"{path}: cannot open as HDF5 ({error})") from None
     try:
-        return _read(f, path, steps)
+        result = read(f)
     except UserError:
         f.close()
         raise
     except (KeyError, ValueError, OSError, json.JSONDecodeError) as error:
         f.close()
         raise UserError(f"{path}: corrupt pi0align dump ({error})") from None
+    if not keep_open:
+        f.close()
+    return result
 
 
-def _read(f: h5py.File, path: Path, steps: set[int] | None) -> Dump:
+def _check_format(f: h5py.File, path: Path) -> None:
     fmt = _text(f.attrs.get("format", ""))
     if fmt != FORMAT:
         raise UserError(f"{path}: not a pi0align dump (format {fmt!r}, expected {FORMAT!r})")
@@ -76,9 +100,14 @@ def _read(f: h5py.File, path: Path, steps: set[int] | None) -> Dump:
     if version > SUPPORTED_VERSION:
         raise UserError(f"{path}: dump format version {version} is newer than this pi0align reads "
                         f"({SUPPORTED_VERSION}); upgrade pi0align")
+
+
+def _read(f: h5py.File, path: Path, steps: set[int] | None) -> Dump:
+    _check_format(f, path)
     rank = int(f.attrs.get("rank", 0))
     notes, frames_of = [], _stacks(f)
     tables, stacks = [], {}
+    texts: dict[str, str] = {}  # one str object per distinct text, shared by every step's records
     for key in sorted(f.get("steps", {})):
         group = f["steps"][key]
         step = int(group.attrs.get("step", int(key)))
@@ -87,7 +116,7 @@ def _read(f: h5py.File, path: Path, steps: set[int] | None) -> Dump:
         if not bool(group.attrs.get("complete", True)):
             notes.append(f"{path.name}: step {step} is incomplete (run stopped while writing it); skipped")
             continue
-        table, step_stacks = _step_records(group, step, rank, frames_of)
+        table, step_stacks = _step_records(group, step, rank, frames_of, texts)
         if "tensors" in group and group.get("tensors") is None:  # the link leads to no file (yet)
             table["tensor"] = np.full(len(table), "", dtype=object)
             missing = group.get("tensors", getlink=True).filename
@@ -135,14 +164,22 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _column(group: h5py.Group, name: str) -> np.ndarray:
+def _column(group: h5py.Group, name: str, texts: dict[str, str] | None = None) -> np.ndarray:
+    """A dataset's values; text as str, each distinct text one object from `texts` where given (a
+    long dump repeats its names, dtypes and shapes at every step: a str per record would cost a
+    compare of many steps most of its memory)."""
     ds = group[name]
-    return ds.asstr()[()] if h5py.check_string_dtype(ds.dtype) else ds[()]
+    if not h5py.check_string_dtype(ds.dtype):
+        return ds[()]
+    values = ds.asstr()[()]
+    if texts is None:
+        return values
+    return np.fromiter((texts.setdefault(v, v) for v in values.tolist()), object, len(values))
 
 
-def _step_records(group: h5py.Group, step: int, rank: int, frames_of: dict[int, list[str]]):
-    calls = {c: _column(group["calls"], c) for c in _CALL_COLUMNS}
-    records = Table({c: _column(group["records"], c) for c in _RECORD_COLUMNS})
+def _step_records(group: h5py.Group, step: int, rank: int, frames_of: dict[int, list[str]], texts: dict[str, str]):
+    calls = {c: _column(group["calls"], c, texts) for c in _CALL_COLUMNS}
+    records = Table({c: _column(group["records"], c, texts) for c in _RECORD_COLUMNS})
     if len(np.unique(calls["call_id"])) != len(calls["call_id"]):
         raise ValueError("call ids repeat")
     of_call = lookup([records["call_id"]], [calls["call_id"]])

@@ -1,0 +1,271 @@
+"""Conclusion: the verdict of a comparison judged a window of steps at a time, and the Comparison.
+
+Each window's rows go through the verdict's stages, each a function of the ones before: rows
+against their limits (verdict.py), the call table (rootcause.py), the judgement of each call
+(judge.py), and which failing rows the noise model explains (explain.py). What a later window
+needs of the earlier ones is carried, and is small: the comparison's first step and whether the
+runs are bit-comparable (from the first window), the latest calls of each parameter (what the next
+step's parameters read), the optimizer's explained state outputs of the last step, and each
+rank's first culprit (everything after it may inherit its error). The rows are written to a
+RowStore; culprits, counts and notes are gathered. Within a window an API's calls are each
+other's peers (judge.stands_out, judge.family_off): a window holds engine.ROWS_PER_WINDOW records,
+or one step where a step holds more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from pi0align.compare.judging.explain import explain, explained_states, rows_of, unexplained_source
+from pi0align.compare.judging.groups import culprit_groups, family_counts
+from pi0align.compare.judging.identity import tensor_identities
+from pi0align.compare.judging.judge import bit_comparable, first_positions, judge, noise_model
+from pi0align.compare.judging.manifest import manifest_diff, manifest_notes, numerics_notes, weights_comparable
+from pi0align.compare.judging.noise import rounding_level, rounding_notes
+from pi0align.compare.judging.reference import reference_notes
+from pi0align.compare.judging.rootcause import (
+    MAX_CULPRITS,
+    call_directions,
+    call_table,
+    culprit_order,
+    culprits,
+    first_divergence,
+    parameter_calls,
+    phases,
+    producers,
+)
+from pi0align.compare.judging.verdict import judge_rows
+from pi0align.compare.reading.records import OUTPUT_ROLES, Dump, user_frames
+from pi0align.compare.result import ROW_COLUMNS, CallRef, Comparison
+from pi0align.compare.rowstore import RowStore
+from pi0align.compare.table import Table, gather, isin, lookup
+from pi0align.errors import UserError
+
+PAIRED = ("matched", "realigned", "shape_mismatch", "dtype_mismatch")  # a record with its counterpart
+
+
+class Conclusion:
+    """The verdict so far, one window of steps after the other (`add`), then the Comparison."""
+
+    def __init__(self, thresholds: dict, source_a: str, source_b: str, fallback: str, windows: int):
+        self.thresholds, self.source_a, self.source_b, self.fallback = thresholds, source_a, source_b, fallback
+        self.rows = RowStore(on_disk=windows > 1)
+        self.windows = 0
+        # carried from window to window (the module's docstring)
+        self.first_step: int | None = None
+        self.exact: bool | None = None
+        self.parameters: Table | None = None
+        self.states: Table | None = None
+        self.earlier: list = []
+        # gathered
+        self.notes: dict[str, None] = {}
+        self.coverage = dict.fromkeys(("matched", "only_a", "only_b", "realigned", "shape_mismatch",
+                                       "dtype_mismatch"), 0)
+        self.unpaired_example: dict[str, str] = {}
+        self.failed = self.weights_culprit = False
+        self.ranks: set[int] = set()
+        self.failing_ranks: set[int] = set()
+        self.rows_over_dtype_limits = 0
+        self.explained: dict[str, int] = {}
+        self.evidence: set[str] = set()
+        self.rounding_count, self.rounding_names = 0, set()
+        self.culprits: list = []
+        self.guilty: list[Table] = []  # the culprits' calls of each window, in culprit order
+        self.blame: list[np.ndarray] = []
+        self.family_counts: dict = {}
+        self.first: CallRef | None = None
+        self.first_backward: CallRef | None = None
+        self.unexplained: tuple | None = None  # (order key, CallRef or None, note): the first failing row
+        self.steps_held: tuple[set[int], set[int]] = (set(), set())
+        self.metrics: tuple[Table, Table] | None = None  # A's and B's, per training step
+        self.manifests: tuple[dict, dict] = ({}, {})
+        self.diff: list = []
+        self.hyper_parameters: list = []
+
+    def add(self, parts: list[tuple[Table, list[str], list]], runs_a: dict[int, Dump], runs_b: dict[int, Dump],
+            reference: Table | None) -> None:
+        """Judge one window: `parts`, each rank's measured rows, notes and differing optimizer
+        settings (engine._compare_rank); the window's dumps; the noise reference's rows, if any."""
+        rows = Table.concat([p[0] for p in parts])
+        for dump in [*runs_a.values(), *runs_b.values()]:
+            self._note(dump.notes)
+        for part in parts:
+            self._note(part[1])
+        if not self.hyper_parameters and parts and parts[0][2]:
+            self.hyper_parameters = parts[0][2]
+        for held, runs in zip(self.steps_held, (runs_a, runs_b)):
+            held.update(int(s) for run in runs.values() for s in np.unique(run.records["step"]))
+        first_a, first_b = runs_a[min(runs_a)], runs_b[min(runs_b)]
+        if self.metrics is None:
+            self.metrics = (first_a.metrics, first_b.metrics)
+            self.manifests = (first_a.manifest, first_b.manifest)
+            self.diff = manifest_diff(first_a.manifest, first_b.manifest)
+        self.windows += 1
+        self._count_pairings(rows)
+        if not len(rows):
+            return
+        stack_lookups = {rank: _stack_lookup(dump) for rank, dump in runs_a.items()}
+        stack_of = lambda rank, step, seq: stack_lookups[rank](step, seq) if rank in stack_lookups else []
+
+        judged_rows = judge_rows(rows, self.thresholds, reference)
+        rounding = rounding_level(rows, judged_rows.verdict)
+        rows["identical"] = judged_rows.identical
+        if self.first_step is None:
+            self.first_step = int(rows["step"].min())
+            self.exact = bit_comparable(rows, judged_rows.identical, self.diff, self.manifests[0])
+        identity = tensor_identities(rows)
+        producer = producers(rows, judged_rows.verdict, identity)
+        calls = call_table(rows, judged_rows.verdict, rounding, identity, producer, self.first_step, self.parameters)
+        judgement = judge(calls, self.fallback, exact=self.exact, earlier=self.earlier)
+        explanation = explain(rows, judged_rows.verdict, rounding, identity, producer, calls, judgement,
+                              self.earlier, self.states)
+
+        rows["severity"], rows["over_dtype_limits"] = judged_rows.severity, judged_rows.over_dtype_limits
+        rows["verdict"], rows["explained_by"] = explanation.verdict, explanation.explained_by
+        exact = rows_of(rows, calls, judgement.culprit & (judgement.evidence == "exact"))
+        # a change its statistics may not see
+        rows["verdict"][exact & isin(rows["role"], OUTPUT_ROLES) & ~rows["identical"]] = "fail"
+        rows["introduced_error"] = _introduced_per_row(rows, calls)
+
+        self.parameters = parameter_calls(calls, self.parameters)
+        states = explained_states(rows, rows["verdict"])
+        self.states = states.take(states["step"] == rows["step"].max())  # what the next step's updates read
+        ranks_parted = {position[0] for position in self.earlier}  # their first culprits came in earlier windows
+        self.earlier += [p for p in first_positions(calls, judgement.culprit) if p[0] not in ranks_parted]
+        self.rounding_count += int(rounding.sum())
+        self.rounding_names.update(rows["name"][rounding].tolist())
+        self.evidence.update(judgement.evidence.tolist())
+        self.family_counts = family_counts(calls, self.family_counts)
+        order = culprit_order(calls, judgement)
+        self.guilty.append(calls.take(order))
+        self.blame.append(judgement.blame[order])
+        if len(self.culprits) < MAX_CULPRITS:  # the windows' steps follow each other: so do their culprits
+            self.culprits += culprits(calls, judgement, stack_of)[:MAX_CULPRITS - len(self.culprits)]
+        self.first = self.first or first_divergence(calls, judgement.culprit, stack_of)
+        self.first_backward = self.first_backward or first_divergence(calls, judgement.culprit, stack_of,
+                                                                     direction="backward")
+        self.weights_culprit |= bool((judgement.culprit & (calls["kind"] == "initial_weights")).any())
+        failing = rows["verdict"] == "fail"
+        self.failed |= bool(failing.any())
+        self.failing_ranks.update(np.unique(rows["rank"][failing]).tolist())
+        self.failing_ranks.update(calls["rank"][judgement.culprit].tolist())
+        self.rows_over_dtype_limits += int(rows["over_dtype_limits"].sum())
+        for rule, count in explanation.counts().items():
+            self.explained[rule] = self.explained.get(rule, 0) + count
+        if failing.any() and self.first is None:  # what parted first, where no call is a culprit
+            self._first_failing_row(rows, calls, stack_of)
+        self._store(rows)
+
+    def comparison(self, runs_reference: dict[int, Dump] | None) -> Comparison:
+        """The Comparison of every window added."""
+        self._check_steps_held()
+        self._check_something_matched()
+        notes = list(self.notes) + rounding_notes(self.rounding_count, self.rounding_names)
+        if runs_reference is not None:
+            notes += reference_notes(runs_reference)
+        notes += manifest_notes(self.diff) + numerics_notes(*self.manifests)
+        notes += _coverage_notes(self.coverage)
+        if self.hyper_parameters:
+            notes.append("the optimizer's hyper-parameters differ: " + ", ".join(
+                f"{key} {va!r} in A, {vb!r} in B" for key, va, vb in self.hyper_parameters))
+        first = self.first
+        if self.failed and first is None and self.unexplained is not None:
+            _, first, note = self.unexplained
+            notes.append(note)
+        # different initial weights make every later agreement accidental: never "aligned"
+        weights_differ = _weights_differ(self.diff) or self.weights_culprit
+        groups = culprit_groups(Table.concat(self.guilty), np.concatenate(self.blame), self.family_counts,
+                                self.hyper_parameters) if self.guilty else []
+        rank_verdicts = {rank: "diverged" if rank in self.failing_ranks else "aligned" for rank in sorted(self.ranks)}
+        return Comparison(
+            verdict="diverged" if self.failed or weights_differ or self.culprits else "aligned",
+            rows=self.rows, coverage=dict(self.coverage), first_divergence=first, culprits=self.culprits,
+            thresholds=self.thresholds, source_a=self.source_a, source_b=self.source_b,
+            metrics_a=self.metrics[0], metrics_b=self.metrics[1], manifest_diff=self.diff, notes=notes,
+            first_divergence_backward=self.first_backward, noise_model=noise_model(self.evidence, self.fallback),
+            rows_over_dtype_limits=self.rows_over_dtype_limits, culprit_groups=groups,
+            explained=self.explained, rank_verdicts=rank_verdicts)
+
+    def _note(self, notes: list[str]) -> None:
+        self.notes.update(dict.fromkeys(notes))
+
+    def _count_pairings(self, rows: Table) -> None:
+        pairing = rows["pairing"]
+        self.coverage["matched"] += int(isin(pairing, PAIRED).sum())
+        for label in ("only_a", "only_b", "realigned", "shape_mismatch", "dtype_mismatch"):
+            self.coverage[label] += int((pairing == label).sum())
+        for side in "ab":
+            if side not in self.unpaired_example:
+                found = rows["name"][pairing == f"only_{side}"]
+                if len(found):
+                    self.unpaired_example[side] = found[0]
+        self.ranks.update(np.unique(rows["rank"]).tolist())
+
+    def _first_failing_row(self, rows: Table, calls: Table, stack_of: Callable) -> None:
+        """Keep the first failing row of all windows in the order unexplained_source takes them:
+        by rank, step, the step's phase and sequence."""
+        failing = np.flatnonzero(rows["verdict"] == "fail")
+        keys = zip(rows["rank"][failing].tolist(), rows["step"][failing].tolist(),
+                   phases(call_directions(rows))[failing].tolist(), rows["seq_a"][failing].astype(np.float64).tolist())
+        key = min((k for k in keys), key=lambda k: (k[0], k[1], k[2], np.inf if np.isnan(k[3]) else k[3]))
+        if self.unexplained is None or key < self.unexplained[0]:
+            self.unexplained = (key, *unexplained_source(rows, calls, stack_of))
+
+    def _store(self, rows: Table) -> None:
+        """The window's rows, ROW_COLUMNS, each rank's a part (read in order of rank, then step)."""
+        if not len(rows):
+            return
+        rows = rows.select(ROW_COLUMNS)
+        order = np.lexsort((rows["seq_b"], rows["seq_a"], rows["step"], rows["rank"]))  # NaN (no record) last
+        rows = rows.take(order)
+        for rank in np.unique(rows["rank"]).tolist():
+            self.rows.append(rows.take(rows["rank"] == rank), (rank, self.windows))
+
+    def _check_steps_held(self) -> None:
+        for source, held in zip((self.source_a, self.source_b), self.steps_held):
+            if not held:
+                raise UserError(f"{source} holds no complete dumped step" + (f" ({next(iter(self.notes))})"
+                                                                             if self.notes else ""))
+
+    def _check_something_matched(self) -> None:
+        """Dumps in which no record pairs with one of the other (other models, other names) are not
+        two runs of one training: never "aligned"."""
+        if self.coverage["matched"]:
+            return
+        example = {side: self.unpaired_example.get(side, "nothing") for side in "ab"}
+        raise UserError(f"no record of {self.source_a} pairs with one of {self.source_b} in the steps they share: "
+                        f"A's calls are named like {example['a']!r}, B's like {example['b']!r} (dumps of different "
+                        "models?)")
+
+
+def _stack_lookup(dump: Dump) -> Callable[[int, int], list[str]]:
+    """(step, seq) -> user frames of the call, for the culprit report; made when asked (few are)."""
+    records = dump.records
+    call_of = dict(zip(zip(records["step"].tolist(), records["seq"].tolist()), records["call"].tolist()))
+
+    def stack(step: int, seq: int) -> list[str]:
+        call = call_of.get((step, seq))
+        return [] if call is None else user_frames(dump.stacks.get((step, call), []))
+
+    return stack
+
+
+def _introduced_per_row(rows: Table, calls: Table) -> np.ndarray:
+    """The call's introduced error on its output rows, NaN elsewhere."""
+    keys = ("rank", "step", "direction")
+    call = lookup([*(rows[k] for k in keys), rows["seq_a"]],
+                  [*(calls[k] for k in keys), calls["seq_a"].astype(np.float64)])
+    return np.where(isin(rows["role"], OUTPUT_ROLES), gather(calls["introduced_error"], call, np.nan), np.nan)
+
+
+def _weights_differ(diff: list) -> bool:
+    """The manifests' weights hashes differ, taken in the same dtype (in another dtype the same
+    initial weights hash apart: the parameter records tell instead)."""
+    return weights_comparable(diff) and any(key == "weights_sha256" and None not in (va, vb) for key, va, vb in diff)
+
+
+def _coverage_notes(coverage: dict[str, int]) -> list[str]:
+    return [f"{coverage[label]} records only in {side} (listed as {label})"
+            for label, side in (("only_a", "A"), ("only_b", "B")) if coverage[label]]

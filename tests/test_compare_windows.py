@@ -1,0 +1,126 @@
+"""A compare of many steps judges a window of steps at a time (compare/conclusion.py) and keeps its
+rows on disk: what a window needs of the ones before it is carried (the parameters' latest calls,
+the optimizer's explained states, the first culprit), so real toy trainings judged in windows of a
+step or two get the answer of the same trainings judged whole, row by row; and the compare's
+memory does not grow with the number of steps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pi0align.compare import compare_dumps, engine
+from pi0align.testing.dumpfactory import Call, Step, write_dump
+from pi0align.testing.scenarios import NOISY, Emulation, ToyRun, dump_toy
+
+FOUR_STEPS = {"steps": 4, "dumped": (0, 1, 2, 3)}
+CASES = {
+    # bf16 noise, statistics: aligned, every window
+    "noise": (ToyRun(dtype="bf16", mode="stats", **FOUR_STEPS), ToyRun(dtype="bf16", mode="stats", device=NOISY,
+                                                                       **FOUR_STEPS)),
+    # another eps, updates not recorded: the parameters of step 1 part, read through the window's edge
+    "eps, updates not recorded": (ToyRun(record_optimizer=False, mode="stats", **FOUR_STEPS),
+                                  ToyRun(record_optimizer=False, mode="stats", eps=1e-6, **FOUR_STEPS)),
+    # steps 0 and 2 dumped, one a window: the update between them stands for itself
+    "a gap of steps": (ToyRun(record_optimizer=False, mode="stats", steps=3, dumped=(0, 2)),
+                       ToyRun(record_optimizer=False, mode="stats", steps=3, dumped=(0, 2), eps=1e-6)),
+    # a fault at step 0 only: the later windows inherit it, and blame no one
+    "a fault at step 0 only": (ToyRun(mode="stats", **FOUR_STEPS),
+                               ToyRun(mode="stats", device=Emulation(fault=("blocks.2.2", "gelu", 0, 1.03),
+                                                                    fault_forwards=1), **FOUR_STEPS)),
+    # one sample changed at step 3, in the last window: the batch, not the parameters before it
+    "a sample changed at step 3": (ToyRun(mode="stats", **FOUR_STEPS),
+                                   ToyRun(mode="stats", changed_sample_at=3, **FOUR_STEPS)),
+    # the optimizer recorded, full tensors: its states read at the next window's first step
+    "updates recorded, tensors": (ToyRun(**FOUR_STEPS), ToyRun(device=Emulation(ulp_noise=1), **FOUR_STEPS)),
+}
+JUDGED = ["step", "name", "direction", "role", "arg_index", "pairing", "verdict", "explained_by", "introduced_error"]
+
+
+def _answer(result):
+    rows = result.table(columns=JUDGED)
+    culprits = [(c.step, c.name, c.kind, c.direction) for c in result.culprits]
+    first = result.first_divergence
+    return (result.verdict, first and (first.step, first.name, first.kind), culprits,
+            [(g.kind, g.api, g.count, g.calls) for g in result.culprit_groups], result.explained,
+            {column: [None if value != value else value for value in rows[column].tolist()] for column in JUDGED})
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("windows")
+    return {name: (dump_toy(folder / f"{n}a", a), dump_toy(folder / f"{n}b", b))
+            for n, (name, (a, b)) in enumerate(CASES.items())}
+
+
+# A call's peers (judge.stands_out) are the calls of its API in its window: one step of the toy MLP
+# holds three gelu calls, too few to have peers, so in windows of one step the noise case's gelu
+# stands out; a window of ROWS_PER_WINDOW records holds dozens of calls of every API that repeats
+@pytest.mark.parametrize(("name", "steps_per_window"),
+                         [(name, 2) for name in CASES] + [(name, 1) for name in CASES if name != "noise"])
+def test_judged_in_windows_of_steps_the_answer_is_the_whole_ones(dumps, name, steps_per_window, monkeypatch):
+    a, b = dumps[name]
+    whole = compare_dumps(a, b)
+    largest_step = np.unique(whole.table(columns=["step"])["step"], return_counts=True)[1].max()
+    monkeypatch.setattr(engine, "ROWS_PER_WINDOW", int(largest_step * steps_per_window))
+    windowed = compare_dumps(a, b)
+    assert windowed.rows_over_dtype_limits == whole.rows_over_dtype_limits
+    assert _answer(windowed) == _answer(whole)
+
+
+def test_the_answers_are_the_cases(dumps):
+    """The cases stand for what their names say (judged whole)."""
+    answers = {name: compare_dumps(*dumps[name]) for name in CASES}
+    assert answers["noise"].verdict == "aligned"
+    assert answers["updates recorded, tensors"].verdict == "aligned"
+    for name in ("eps, updates not recorded", "a gap of steps"):
+        first = answers[name].first_divergence
+        assert answers[name].verdict == "diverged" and first.kind == "optimizer", name
+    assert answers["a gap of steps"].first_divergence.step == 2
+    assert {c.step for c in answers["a fault at step 0 only"].culprits} == {0}
+    first = answers["a sample changed at step 3"].first_divergence
+    assert (first.kind, first.step) == ("data", 3)
+
+
+STEPS = 60
+CALLS = 200  # a chain of tanh calls a step
+
+
+def _stats_dump(path):
+    """STEPS steps of a chain of CALLS calls, float32 statistics."""
+    rng = np.random.default_rng(0)
+    steps = []
+    for step in range(STEPS):
+        value = rng.standard_normal((8, 64)).astype(np.float32)
+        calls = []
+        for i in range(CALLS):
+            output = np.tanh(value).astype(np.float32)
+            calls.append(Call(f"layers.{i}/Functional.tanh#0", f"layers.{i}", "Functional.tanh", "forward",
+                              [("input", 0, value), ("output", 0, output)]))
+            value = output
+        steps.append(Step(step, calls, 1.0, 1.0, 1e-3))
+    return write_dump(path, steps, mode="stats")
+
+
+def test_a_compare_holds_one_window_of_rows_whatever_the_number_of_steps(tmp_path):
+    """Peak memory of compares of the first sixth of the steps and of all of them (24,000 rows),
+    windows of five steps: the same within 16 MiB (4 MiB here; judged whole, 60 MiB more)."""
+    dump = _stats_dump(tmp_path / "a.h5")
+    # VmHWM, the process's own peak (ru_maxrss would carry over this forking process's)
+    script = ("import json, sys; from pi0align.compare import engine, compare_dumps; "
+              f"engine.ROWS_PER_WINDOW = {5 * CALLS * 2}; "
+              "r = compare_dumps(sys.argv[1], sys.argv[1], steps=range(int(sys.argv[2]))); "
+              "peak = next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM')); "
+              "print(json.dumps([r.verdict, sum(len(p) for p in r.row_parts(['step'])), peak]))")
+    peaks = {}
+    for steps in (STEPS // 6, STEPS):
+        done = subprocess.run([sys.executable, "-c", script, str(dump), str(steps)], capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        verdict, rows, peaks[steps] = json.loads(done.stdout)
+        assert (verdict, rows) == ("aligned", steps * CALLS * 2)
+    assert peaks[STEPS] - peaks[STEPS // 6] < 16 << 10, peaks
