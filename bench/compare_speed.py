@@ -291,6 +291,9 @@ def main() -> None:
     args = parser.parse_args()
     rounds = args.rounds if args.check else 1
     sizes = [int(n) for n in args.calls.split(",")] if not args.quick else [1000]
+    # pi0align's modules compiled, as an installed package is (pip compiles them; msprobe's are):
+    # an editable install under PYTHONDONTWRITEBYTECODE would compile every module at each start
+    subprocess.run([PYTHON, "-m", "compileall", "-q", str(ROOT / "pi0align")], check=True)
     work = Path(tempfile.mkdtemp(prefix="compare_speed_"))
     try:
         if args.replay_only:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pi0align.compare.judging.bounds import MARGIN, introduced, noise_floor, reduction_condition
 from pi0align.compare.judging.identity import gradient_sources, tensor_identities
-from pi0align.compare.judging.judge import judge
+from pi0align.compare.judging.judge import judge, median_without
 from pi0align.compare.judging.noise import rounding_level
 from pi0align.compare.judging.reference import raised_limits
 from pi0align.compare.judging.rootcause import CALL_COLUMNS
@@ -300,3 +302,17 @@ def test_reduction_conditions_cover_a_sum_that_cancels():
     assert reduction_condition(1.0, 16 * 48, 1.0, 48) == pytest.approx(4.0)
     assert reduction_condition(1.0, 16 * 48, 0.1, 48) == pytest.approx(40.0)
     assert reduction_condition(1.0, 48, 2.0, 48) == 1.0
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, database=None)
+@given(st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0, float("nan")]) | st.floats(-1e3, 1e3), min_size=1, max_size=12),
+       st.data())
+def test_a_peermedian_without_a_names_calls_is_nanmedians(values, data):
+    """stands_out's median of an API's other calls, taken from the sorted values of all of them
+    less a name's own (repeated values, NaN), is np.nanmedian of the rest."""
+    values = np.array(values)
+    own = np.array(data.draw(st.lists(st.booleans(), min_size=len(values), max_size=len(values))))
+    rest = values[~own]
+    expected = np.nanmedian(rest) if len(rest) and not np.isnan(rest).all() else np.nan
+    got = median_without(np.sort(values[~np.isnan(values)]), values[own])
+    assert got == expected or (np.isnan(got) and np.isnan(expected))

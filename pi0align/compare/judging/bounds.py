@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 
 import numpy as np
 
@@ -390,7 +391,7 @@ def dimensions(shape: str) -> tuple[int, ...] | None:
 
 def _numel(shape: str) -> int:
     dims = dimensions(shape)
-    return 0 if dims is None else int(np.prod(dims))
+    return 0 if dims is None else math.prod(dims)
 
 
 def _last_dimension(shape: str) -> int:

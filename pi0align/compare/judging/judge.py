@@ -216,14 +216,38 @@ def stands_out(calls: Table) -> np.ndarray:
     typical, peers = np.full(len(calls), np.nan), np.zeros(len(calls), np.int64)
     names = calls["name"]
     for members in np.split(family.order, family.starts[1:]) if len(calls) else []:
-        for name in set(names[members].tolist()):
-            own = names[members] == name
-            others = introduced[members[~own]]
-            peers[members[own]] = len(others)
-            if len(others):
-                typical[members[own]] = np.nanmedian(others) if not np.isnan(others).all() else np.nan
+        values = introduced[members]
+        ordered = np.sort(values[~np.isnan(values)])
+        by_name: dict[str, list[int]] = {}
+        for position, name in enumerate(names[members].tolist()):
+            by_name.setdefault(name, []).append(position)
+        for own in by_name.values():
+            peers[members[own]] = len(members) - len(own)
+            typical[members[own]] = median_without(ordered, values[own])
     with np.errstate(invalid="ignore"):
         return (peers < MIN_PEERS) | (introduced >= STANDOUT * typical)
+
+
+def median_without(ordered: np.ndarray, removed: np.ndarray) -> float:
+    """The median of the sorted values `ordered` once `removed` (some of them, or NaN: not among
+    them) are taken out, one occurrence each; NaN where none is left. np.nanmedian's answer, in
+    a few steps where the calls of a name are few."""
+    removed = np.sort(removed[~np.isnan(removed)])
+    left = len(ordered) - len(removed)
+    if left <= 0:
+        return float("nan")
+    gone = np.searchsorted(ordered, removed, "left")
+    gone += np.arange(len(gone)) - np.searchsorted(removed, removed, "left")  # repeated values: the next one each
+    gone = gone.tolist()
+
+    def remaining(rank: int) -> float:
+        position = rank
+        for index in gone:  # sorted: each removed value at or before the position moves it on by one
+            if index <= position:
+                position += 1
+        return float(ordered[position])
+
+    return (remaining((left - 1) // 2) + remaining(left // 2)) / 2
 
 
 def after_first(calls: Table, selected: np.ndarray, earlier: Sequence[Position] = ()) -> np.ndarray:
