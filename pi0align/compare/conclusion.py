@@ -207,9 +207,9 @@ class Conclusion:
         """Keep the first failing row of all windows in the order unexplained_source takes them:
         by rank, step, the step's phase and sequence."""
         failing = np.flatnonzero(rows["verdict"] == "fail")
-        keys = zip(rows["rank"][failing].tolist(), rows["step"][failing].tolist(),
-                   phases(call_directions(rows))[failing].tolist(), rows["seq_a"][failing].astype(np.float64).tolist())
-        key = min((k for k in keys), key=lambda k: (k[0], k[1], k[2], np.inf if np.isnan(k[3]) else k[3]))
+        seq = np.nan_to_num(rows["seq_a"][failing].astype(np.float64), nan=np.inf)  # no record in A: last
+        key = min(zip(rows["rank"][failing].tolist(), rows["step"][failing].tolist(),
+                      phases(call_directions(rows))[failing].tolist(), seq.tolist()))
         if self.unexplained is None or key < self.unexplained[0]:
             self.unexplained = (key, *unexplained_source(rows, calls, stack_of))
 
