@@ -6,7 +6,9 @@ memory does not grow with the number of steps."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 
@@ -14,7 +16,7 @@ import numpy as np
 import pytest
 
 from pi0align.compare import compare_dumps, engine
-from pi0align.testing.dumpfactory import Call, Step, write_dump
+from pi0align.testing.dumpfactory import Call, Step, write_dump, write_msprobe_dump
 from pi0align.testing.scenarios import NOISY, Emulation, ToyRun, dump_toy
 
 FOUR_STEPS = {"steps": 4, "dumped": (0, 1, 2, 3)}
@@ -124,3 +126,18 @@ def test_a_compare_holds_one_window_of_rows_whatever_the_number_of_steps(tmp_pat
         verdict, rows, peaks[steps] = json.loads(done.stdout)
         assert (verdict, rows) == ("aligned", steps * CALLS * 2)
     assert peaks[STEPS] - peaks[STEPS // 6] < 16 << 10, peaks
+
+
+@pytest.mark.skipif(importlib.util.find_spec("msprobe") is None, reason="mindstudio-probe not installed")
+def test_msprobe_dumps_of_other_steps_are_judged_in_windows_too(tmp_path, monkeypatch):
+    """msprobe's dumps, a step in each window: a window whose step one side lacks holds that side's
+    records only (listed, as judged whole), rather than stopping the compare."""
+    a = write_msprobe_dump(tmp_path / "a", steps=3)
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    shutil.rmtree(next(b.glob("step2")))
+    whole = compare_dumps(a, b)
+    monkeypatch.setattr(engine, "ROWS_PER_WINDOW", 1)
+    windowed = compare_dumps(a, b)
+    assert windowed.coverage["only_a"] > 0 and windowed.coverage == whole.coverage
+    assert _answer(windowed) == _answer(whole)

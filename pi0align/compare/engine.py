@@ -139,7 +139,7 @@ def _windows(path_a: str | Path, held_a: dict[int, dict[int, int | None]], steps
     each step's count where the dump tells it, else as many as its first step holds (read to count)."""
     counts = {step: sum(ranks.get(step) or 0 for ranks in held_a.values()) for step in steps}
     if len(steps) > 1 and any(None in ranks.values() for ranks in held_a.values()):
-        first = open_run(path_a, {steps[0]})
+        first = open_run(path_a, {min(step for ranks in held_a.values() for step in ranks)})
         try:
             counts = dict.fromkeys(steps, sum(len(dump.records) for dump in first.values()))
         finally:

@@ -57,11 +57,13 @@ def dumped_steps(path: Path) -> dict[int, dict[int, None]]:
 
 
 def read_msprobe(path: Path, steps: set[int] | None = None) -> dict[int, Dump]:
-    """All ranks of an msprobe dump: {rank: Dump}."""
+    """All ranks of an msprobe dump: {rank: Dump}, holding the records of `steps` (all when None;
+    none where a rank holds none of them)."""
     by_rank: dict[int, list[tuple[int, Path]]] = {}
     for step, rank, folder in _step_folders(path):
+        wanted = by_rank.setdefault(rank, [])
         if steps is None or step in steps:
-            by_rank.setdefault(rank, []).append((step, folder))
+            wanted.append((step, folder))
     if not by_rank:
         raise UserError(f"{path}: no msprobe dump.json found (expected step*/rank*/dump.json)")
     return {rank: _read_rank(path, rank, folders) for rank, folders in sorted(by_rank.items())}
