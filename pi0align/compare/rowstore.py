@@ -29,20 +29,15 @@ class RowStore:
     def __init__(self, on_disk: bool) -> None:
         self.on_disk = on_disk
         self._parts: list[tuple[tuple, Table | str]] = []  # (order key, the part or its group's name)
-        self._length = 0
         self._h5: h5py.File | None = None
         self.columns: list[str] = []
         self.nullable_ints: set[str] = set()
-
-    def __len__(self) -> int:
-        return self._length
 
     def append(self, rows: Table, key: tuple) -> None:
         """Add `rows` as the part read at `key`'s place among the others."""
         if not self._parts:
             self.columns, self.nullable_ints = rows.columns, set(rows.nullable_ints)
         self._parts.append((key, self._written(rows) if self.on_disk else rows))
-        self._length += len(rows)
 
     def parts(self, columns: list[str] | None = None) -> Iterator[Table]:
         """Each part in key order, with these columns (all when None)."""
