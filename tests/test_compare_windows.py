@@ -61,9 +61,11 @@ def dumps(tmp_path_factory):
 
 # A call's peers (judge.stands_out) are the calls of its API in its window: one step of the toy MLP
 # holds three gelu calls, too few to have peers, so in windows of one step the noise case's gelu
-# stands out; a window of ROWS_PER_WINDOW records holds dozens of calls of every API that repeats
+# stands out; a window of ROWS_PER_WINDOW records holds dozens of calls of every API that repeats.
+# The replayed tensor case (seconds a compare) in windows of one step only: the most edges.
 @pytest.mark.parametrize(("name", "steps_per_window"),
-                         [(name, 2) for name in CASES] + [(name, 1) for name in CASES if name != "noise"])
+                         [(name, 2) for name in CASES if name != "updates recorded, tensors"]
+                         + [(name, 1) for name in CASES if name != "noise"])
 def test_judged_in_windows_of_steps_the_answer_is_the_whole_ones(dumps, name, steps_per_window, monkeypatch):
     a, b = dumps[name]
     whole = compare_dumps(a, b)
