@@ -43,10 +43,10 @@ def dumped_steps(path: Path) -> tuple[int, dict[int, int]]:
     def read(f: h5py.File) -> tuple[int, dict[int, int]]:
         _check_format(f, path)
         steps = {}
-        for group in f.get("steps", {}).values():
+        for key, group in f.get("steps", {}).items():
             records = group.get("records")
             role = records.get("role") if records is not None else None
-            steps[int(group.attrs.get("step", int(group.name.rpartition("/")[2])))] = len(role) if role else 0
+            steps[int(group.attrs.get("step", int(key)))] = len(role) if role is not None else 0
         return int(f.attrs.get("rank", 0)), dict(sorted(steps.items()))
 
     return _with_file(path, read)
