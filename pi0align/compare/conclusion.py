@@ -8,8 +8,8 @@ runs are bit-comparable (from the first window), the latest calls of each parame
 step's parameters read), the optimizer's explained state outputs of the last step, and each
 rank's first culprit (everything after it may inherit its error). The rows are written to a
 RowStore; culprits, counts and notes are gathered. Within a window an API's calls are each
-other's peers (judge.stands_out, judge.family_off): a window holds engine.ROWS_PER_WINDOW records,
-or one step where a step holds more.
+other's peers (judge.stands_out, judge.family_off): a window holds at most engine.ROWS_PER_WINDOW
+records, or one step where a step holds more.
 """
 
 from __future__ import annotations
