@@ -18,7 +18,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pi0align.compare.judging.explain import explain, explained_states, rows_of, unexplained_source
+from pi0align.compare.judging.explain import (
+    explain,
+    explained_states,
+    first_failing,
+    rows_of,
+    unexplained_source,
+)
 from pi0align.compare.judging.groups import culprit_groups, family_counts
 from pi0align.compare.judging.identity import tensor_identities
 from pi0align.compare.judging.judge import bit_comparable, first_positions, judge, noise_model
@@ -27,13 +33,11 @@ from pi0align.compare.judging.noise import rounding_level, rounding_notes
 from pi0align.compare.judging.reference import reference_notes
 from pi0align.compare.judging.rootcause import (
     MAX_CULPRITS,
-    call_directions,
     call_table,
     culprit_order,
     culprits,
     first_divergence,
     parameter_calls,
-    phases,
     producers,
 )
 from pi0align.compare.judging.verdict import judge_rows
@@ -204,12 +208,8 @@ class Conclusion:
         self.ranks.update(np.unique(rows["rank"]).tolist())
 
     def _first_failing_row(self, rows: Table, calls: Table, stack_of: Callable) -> None:
-        """Keep the first failing row of all windows in the order unexplained_source takes them:
-        by rank, step, the step's phase and sequence."""
-        failing = np.flatnonzero(rows["verdict"] == "fail")
-        seq = np.nan_to_num(rows["seq_a"][failing].astype(np.float64), nan=np.inf)  # no record in A: last
-        key = min(zip(rows["rank"][failing].tolist(), rows["step"][failing].tolist(),
-                      phases(call_directions(rows))[failing].tolist(), seq.tolist()))
+        """Keep the first failing row of all windows (explain.first_failing's order)."""
+        _, key = first_failing(rows)
         if self.unexplained is None or key < self.unexplained[0]:
             self.unexplained = (key, *unexplained_source(rows, calls, stack_of))
 

@@ -193,15 +193,20 @@ def _state_outputs(rows: Table) -> np.ndarray:
 def explained_states(rows: Table, verdict: np.ndarray) -> Table:
     """The optimizer's state outputs whose final verdict is no `fail`, by STATE_KEYS: what explains
     the states the next step's update reads (`explain`'s `states_before`)."""
-    fine = _state_outputs(rows) & (verdict != "fail")
-    return Table({key: rows[key][fine] for key in STATE_KEYS}, length=int(fine.sum()))
+    return _states(rows, verdict != "fail")
+
+
+def _states(rows: Table, fine: np.ndarray) -> Table:
+    """The optimizer's state outputs among the `fine` rows, by STATE_KEYS."""
+    chosen = _state_outputs(rows) & fine
+    return Table({key: rows[key][chosen] for key in STATE_KEYS}, length=int(chosen.sum()))
 
 
 def _states_within(rows: Table, fine: np.ndarray, states_before: Table | None) -> np.ndarray:
     """An update's state tensors (inputs 2 on) hold what the update of the step before left: the
     same bits as its explained output of the same index (among these rows, or `states_before`)."""
     states = (rows["direction"] == "optimizer") & (rows["role"] == "input") & (rows["arg_index"] >= 2)
-    explained = Table({key: rows[key] for key in STATE_KEYS}, length=len(rows)).take(_state_outputs(rows) & fine)
+    explained = _states(rows, fine)
     if states_before is not None:
         explained = Table.concat([explained, states_before])
     if not states.any() or not len(explained):
@@ -250,15 +255,22 @@ _SOURCES = {
 }
 
 
+def first_failing(rows: Table) -> tuple[int, tuple[int, int, int, float]]:
+    """The first failing row in execution order (by rank, step, the step's phase and sequence, a
+    row without A's sequence number last), and its place in that order, to weigh against others'."""
+    failing = np.flatnonzero(rows["verdict"] == "fail")
+    rank, step, phase = rows["rank"][failing], rows["step"][failing], phases(call_directions(rows))[failing]
+    seq = np.nan_to_num(rows["seq_a"][failing].astype(np.float64), nan=np.inf)
+    first = np.lexsort((seq, phase, step, rank))[0]
+    return int(failing[first]), (int(rank[first]), int(step[first]), int(phase[first]), float(seq[first]))
+
+
 def unexplained_source(rows: Table, calls: Table, stack_of) -> tuple[CallRef | None, str]:
-    """The call of the first failing row in execution order, where no call is a culprit, and a
-    note saying what that row is: the unrecorded operation or input that parted first."""
+    """The call of the first failing row in execution order (`first_failing`), where no call is a
+    culprit, and a note saying what that row is: the unrecorded operation or input that parted first."""
     from pi0align.compare.judging.rootcause import call_ref
 
-    failing = np.flatnonzero(rows["verdict"] == "fail")
-    order = np.lexsort((rows["seq_a"][failing].astype(np.float64), phases(call_directions(rows))[failing],
-                        rows["step"][failing], rows["rank"][failing]))
-    row = int(failing[order[0]])
+    row, _ = first_failing(rows)
     call = calls_of(rows, calls)[row]
     what = _SOURCES.get((str(rows["direction"][row]), str(rows["role"][row])), "a record that no call's bound explains")
     note = (f"no call introduces error beyond noise, but {rows['name'][row]} (step {rows['step'][row]}, "
