@@ -6,9 +6,14 @@ import numpy as np
 import pytest
 from conftest import without_compiler
 
-from pi0align.compare.measuring.metrics import sample_metrics, stats_metrics, tensor_metrics
+from pi0align.compare.measuring.metrics import metrics_of_sums, sample_metrics, stats_metrics, tensor_sums
 
 pytestmark = pytest.mark.filterwarnings("error")
+
+
+def tensor_metrics(a, b, **how) -> dict[str, float]:
+    """The metrics of one pair, as compare takes them: its sums, then the metrics of the sums."""
+    return {k: float(v[0]) for k, v in metrics_of_sums(tensor_sums(a, b, **how)[None]).items()}
 
 
 def test_known_values():
@@ -45,17 +50,23 @@ def test_scalar_tensor():
     assert m["max_abs_err"] == 0.5 and m["rel_l2_err"] == 0.25
 
 
-def test_streaming_in_chunks_and_threads_equals_one_pass():
+def test_streaming_in_chunks_and_threads_equals_one_pass(loops):
     rng = np.random.default_rng(0)
     b = rng.standard_normal((300, 70)).astype(np.float32)
     n = (b * (1 + 1e-4 * rng.standard_normal(b.shape))).astype(np.float32)
     b[3, 4], n[3, 4] = 0.0, 0.0
     n[5, 6] = np.nan
-    whole = tensor_metrics(b, n, chunk_elements=1 << 20, workers=1)
-    chunked = tensor_metrics(b, n, chunk_elements=500, workers=3)
+    whole = tensor_metrics(b, n, chunk_elements=1 << 20, workers=1, loops=loops)  # in memory: one pass as it is
+    chunked = tensor_metrics(b, n, chunk_elements=500, workers=3, loops=loops)
     for key in whole:
         assert chunked[key] == pytest.approx(whole[key], rel=1e-9), key
     assert whole["nan_inf_mismatch"] == 1
+    # many pairs' sums at once give each pair's metrics
+    other = tensor_sums(b[:7], n[:7] * 2, loops=loops)
+    both = metrics_of_sums(np.stack([tensor_sums(b, n, loops=loops), other]))
+    assert {k: v[0] for k, v in both.items()} == pytest.approx(whole, rel=1e-12, nan_ok=True)
+    assert {k: v[1] for k, v in both.items()} == pytest.approx(tensor_metrics(b[:7], n[:7] * 2, loops=loops),
+                                                               rel=1e-12)
 
 
 def test_samples_are_per_row_and_unused_slots_ignored():

@@ -223,7 +223,8 @@ def test_torch_files_are_read_without_torch_as_torch_reads_them(tmp_path):
     base = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
     tensors = {"float32": base, "float64": base.double(), "float16": base.half(), "bfloat16": base.bfloat16(),
                "int64": torch.arange(12).reshape(3, 4), "bool": base > 0, "uint8": torch.arange(5, dtype=torch.uint8),
-               "transposed": base.t(), "slice": base[2:5, 1::2], "empty": torch.zeros(0, 3), "scalar": base[1, 1]}
+               "transposed": base.t(), "slice": base[2:5, 1::2], "rows": base[2:5], "empty": torch.zeros(0, 3),
+               "scalar": base[1, 1]}
     for name, tensor in tensors.items():
         path = tmp_path / f"{name}.pt"
         torch.save(tensor, path)

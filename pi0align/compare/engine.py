@@ -20,13 +20,15 @@ from pi0align.compare.judging.thresholds import load_thresholds
 from pi0align.compare.judging.verdict import JUDGED_PAIRINGS
 from pi0align.compare.measuring.align import pair_records
 from pi0align.compare.measuring.arguments import adam_step, arguments_differ, hyper_parameter_differences
+from pi0align.compare.measuring.kernels import FIELDS
 from pi0align.compare.measuring.memory import HeapTrimmer
 from pi0align.compare.measuring.metrics import (
     STATS_METRICS,
     TENSOR_METRICS,
+    metrics_of_sums,
     sample_metrics,
     stats_metrics,
-    tensor_metrics,
+    tensor_sums,
 )
 from pi0align.compare.reading.open_dump import dumped_steps, open_run
 from pi0align.compare.reading.records import Dump
@@ -339,14 +341,13 @@ def _fill_tensors(rows: Table, sa: _Side, sb: _Side, mask: np.ndarray, a: Dump, 
     paths_a, paths_b = sa.values("tensor", ""), sb.values("tensor", "")
     use = np.flatnonzero(mask & (paths_a != "") & (paths_b != ""))
     steps = rows["step"]
-    results, trim = [], HeapTrimmer()
-    for i in use:
-        results.append(tensor_metrics(a.tensor_reader(int(steps[i]), paths_a[i]),
-                                      b.tensor_reader(int(steps[i]), paths_b[i])))
+    sums, trim = np.empty((len(use), len(FIELDS))), HeapTrimmer()
+    for k, i in enumerate(use):
+        sums[k] = tensor_sums(a.tensor_reader(int(steps[i]), paths_a[i]), b.tensor_reader(int(steps[i]), paths_b[i]))
         trim()
         advance()
-    for metric in TENSOR_METRICS:
-        rows[metric][use] = [r[metric] for r in results]
+    for metric, values in metrics_of_sums(sums).items():
+        rows[metric][use] = values
     rows["evidence"][use] = "tensor"
 
 

@@ -51,45 +51,66 @@ class ErrorAccumulator:
         self._sums[:, :SUMMED] += other._sums[:, :SUMMED]
         np.maximum(self._sums[:, SUMMED:], other._sums[:, SUMMED:], out=self._sums[:, SUMMED:])
 
+    @property
+    def sums(self) -> np.ndarray:
+        """The sums so far, rows x len(FIELDS)."""
+        return self._sums
+
     def result(self) -> dict[str, np.ndarray]:
-        s = dict(zip(FIELDS, self._sums.T))
-        norm_a, norm_b = np.sqrt(s["aa"]), np.sqrt(s["bb"])
-        with np.errstate(invalid="ignore", divide="ignore"):
-            cosine = np.where((norm_a > 0) & (norm_b > 0),
-                              np.clip(s["ab"] / np.maximum(norm_a * norm_b, np.finfo(float).tiny), -1, 1),
-                              np.where((norm_a == 0) & (norm_b == 0), 1.0, 0.0))
-            n = np.where(s["n"] > 0, s["n"], np.nan)  # no finite element: metrics are NaN, not a crash
-            out = {
-                "cosine": cosine,
-                "max_abs_err": s["max_abs"],
-                "max_rel_err": s["max_rel"],
-                "mean_rel_err": s["rel"] / n,
-                "rel_l2_err": relative(np.sqrt(s["dd"]), norm_a),
-                "rmse": np.sqrt(s["dd"] / n),
-                "within_1e-3": s["w1"] / n,
-                "within_5e-3": s["w5"] / n,
-            }
-        for key in out:
-            out[key] = np.where(np.isnan(n), np.nan, out[key])
-        out["nan_inf_mismatch"] = s["mismatch"].copy()
-        return out
+        return metrics_of_sums(self._sums)
 
 
-def tensor_metrics(a: Any, b: Any, chunk_elements: int = CHUNK_ELEMENTS, workers: int = WORKERS,
-                   loops: Loops | None = None) -> dict[str, float]:
-    """Metrics of two same-shape array-likes (h5py datasets, memmaps), read chunk by chunk.
-    Chunked HDF5 datasets are read and decoded chunk by chunk, as stored, by `workers` threads
+def metrics_of_sums(sums: np.ndarray) -> dict[str, np.ndarray]:
+    """TENSOR_METRICS per row of sums (rows x len(FIELDS), as ErrorAccumulator gathers them): of
+    many tensor pairs at once, each pair's sums a row (tensor_sums)."""
+    s = dict(zip(FIELDS, np.asarray(sums, np.float64).T))
+    norm_a, norm_b = np.sqrt(s["aa"]), np.sqrt(s["bb"])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cosine = np.where((norm_a > 0) & (norm_b > 0),
+                          np.clip(s["ab"] / np.maximum(norm_a * norm_b, np.finfo(float).tiny), -1, 1),
+                          np.where((norm_a == 0) & (norm_b == 0), 1.0, 0.0))
+        n = np.where(s["n"] > 0, s["n"], np.nan)  # no finite element: metrics are NaN, not a crash
+        out = {
+            "cosine": cosine,
+            "max_abs_err": s["max_abs"],
+            "max_rel_err": s["max_rel"],
+            "mean_rel_err": s["rel"] / n,
+            "rel_l2_err": relative(np.sqrt(s["dd"]), norm_a),
+            "rmse": np.sqrt(s["dd"] / n),
+            "within_1e-3": s["w1"] / n,
+            "within_5e-3": s["w5"] / n,
+        }
+    for key in out:
+        out[key] = np.where(np.isnan(n), np.nan, out[key])
+    out["nan_inf_mismatch"] = s["mismatch"].copy()
+    return out
+
+
+def tensor_sums(a: Any, b: Any, chunk_elements: int = CHUNK_ELEMENTS, workers: int = WORKERS,
+                loops: Loops | None = None) -> np.ndarray:
+    """The sums (FIELDS) of the error between two same-shape array-likes (h5py datasets, memmaps),
+    read chunk by chunk: a row for metrics_of_sums, which takes many pairs' rows at once. Chunked
+    HDF5 datasets are read and decoded chunk by chunk, as stored, by `workers` threads
     (h5chunks.py); other arrays are read `chunk_elements` at a time, in row ranges whose
-    arithmetic, which releases the GIL, runs in parallel. `loops`: the compiled loops where they
-    build, unless given."""
+    arithmetic, which releases the GIL, runs in parallel; arrays already in memory and of one
+    chunk at most are summed in one pass as they are. `loops`: the compiled loops where they build,
+    unless given."""
     loops = loops or comparison_loops()
-    accumulators = _reduce_stored_chunks(a, b, workers, loops)
-    if accumulators is None:
-        accumulators = _reduce_row_ranges(a, b, chunk_elements, workers, loops)
+    if _in_memory(a) and _in_memory(b) and np.size(a) <= chunk_elements:
+        accumulators = [ErrorAccumulator(1, loops)]
+        accumulators[0].add(np.reshape(a, -1), np.reshape(b, -1))
+    else:
+        accumulators = _reduce_stored_chunks(a, b, workers, loops) or _reduce_row_ranges(
+            a, b, chunk_elements, workers, loops)
     total = accumulators[0]
     for other in accumulators[1:]:
         total.merge(other)
-    return {k: float(v[0]) for k, v in total.result().items()}
+    return total.sums[0]
+
+
+def _in_memory(x: Any) -> bool:
+    """An array whose elements are in memory now (a memmap's are read as they are touched)."""
+    return isinstance(x, (np.ndarray, np.generic)) and not isinstance(x, np.memmap)
 
 
 def _reduce_stored_chunks(a: Any, b: Any, workers: int, loops: Loops) -> list[ErrorAccumulator] | None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from pi0align.compare.measuring.memory import HeapTrimmer
-from pi0align.compare.measuring.metrics import TENSOR_METRICS, tensor_metrics
+from pi0align.compare.measuring.metrics import TENSOR_METRICS, metrics_of_sums, tensor_sums
 from pi0align.compare.reading.records import Dump
 from pi0align.compare.table import Table, gather
 
@@ -48,12 +48,12 @@ def measure_and_replay(rows: Table, a: Dump, b: Dump, ia: np.ndarray, ib: np.nda
     for row in np.flatnonzero(stored | (paired & result_row)).tolist():
         groups.setdefault((int(steps[row]), int(calls_a[row]), int(calls_b[row]), str(direction[row])), []).append(row)
     trim = HeapTrimmer()
+    measured, sums = [], []  # rows with tensors on both sides, and their error sums
     for (step, call_a, call_b, way), members in sorted(groups.items()):
         for row in (r for r in members if stored[r]):
-            measured = tensor_metrics(*(side.array(step, str(paths[row])) for side, paths in
-                                        zip(sides, (tensor_a, tensor_b))))
-            for metric, value in measured.items():
-                columns[metric][row] = value
+            sums.append(tensor_sums(*(side.array(step, str(paths[row])) for side, paths in
+                                      zip(sides, (tensor_a, tensor_b)))))
+            measured.append(row)
             advance()
         results = [r for r in members if result_row[r]]
         if results and way in RESULT_ROLES:
@@ -70,6 +70,9 @@ def measure_and_replay(rows: Table, a: Dump, b: Dump, ia: np.ndarray, ib: np.nda
                 columns["replay"][row] = _why_not(*reasons)
             advance()
         trim()
+    if measured:
+        for metric, values in metrics_of_sums(np.array(sums)).items():
+            columns[metric][measured] = values
     return columns
 
 

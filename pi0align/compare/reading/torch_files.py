@@ -79,6 +79,15 @@ class _TensorUnpickler(pickle.Unpickler):
         return _Storage(str(pid[2]), STORAGE_DTYPES[pid[1]])
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides, in elements, of a C-contiguous tensor of that shape."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 def load_tensor(path: str | Path) -> np.ndarray:
     """The tensor in a `torch.save` file as a numpy array (floating point of two bytes as float32).
     Raises pickle.UnpicklingError when the pickle names anything a tensor's does not, NotATensor
@@ -101,9 +110,14 @@ def load_tensor(path: str | Path) -> np.ndarray:
     flat = np.frombuffer(raw, dtype)
     if not _fits(tensor, len(flat)):
         raise NotATensor(f"a tensor of shape {tensor.shape} that its storage of {len(flat)} elements cannot hold")
-    values = np.lib.stride_tricks.as_strided(flat[tensor.offset:], tensor.shape,
-                                             tuple(s * dtype.itemsize for s in tensor.strides), writeable=False)
-    values = np.array(values, dtype=values.dtype.newbyteorder("="), order="C")  # 0-d stays 0-d
+    native = dtype.newbyteorder("=")
+    if tensor.strides == _contiguous_strides(tensor.shape):  # as torch.save writes most: read in place
+        values = flat[tensor.offset:tensor.offset + math.prod(tensor.shape)].reshape(tensor.shape).astype(
+            native, copy=False)
+    else:
+        values = np.lib.stride_tricks.as_strided(flat[tensor.offset:], tensor.shape,
+                                                 tuple(s * dtype.itemsize for s in tensor.strides), writeable=False)
+        values = np.array(values, dtype=native, order="C")  # 0-d stays 0-d
     if bfloat16:
         return Bfloat16Array.decode(values)
     return values.astype(np.float32) if values.dtype == np.float16 else values
