@@ -116,6 +116,33 @@ def test_tensor_mode_stores_low_precision_tensors_losslessly(tmp_path, backend):
         assert torch.equal(torch.from_numpy(stored[()].view(np.int16)).view(torch.bfloat16), big.t())
 
 
+def test_tensor_mode_stores_each_tensor_as_it_was_when_recorded(tmp_path, backend):
+    """Tensors changed in place after they were recorded (the native backend copies them for the
+    writer on its own thread): each stored tensor holds the values of its record, not later ones;
+    a temporary freed at once is stored too."""
+    x = torch.full((300, 400), 1.0)
+    with Dumper(tmp_path, steps=[0], level="api", mode="tensor", backend=backend) as dumper:
+        dumper.start()
+        y = x * 2
+        y.add_(1)  # its input is y as the mul left it; the mul's output must stay 2s
+        y[0] = 7  # and again
+        torch.exp(x * 0).sum()  # temporaries, freed as soon as the next call has run
+        dumper.step()
+    tables = read_step(tmp_path / "dump.h5", 0)
+    with h5py.File(tmp_path / "dump.h5", "r") as f:
+        group = f["steps/000000"]
+
+        def stored(name, role):
+            return group[tables["records"]["tensor"][find(tables, name, "forward", role)]][()]
+
+        assert (stored("/Tensor.mul#0", "output") == 2).all() and (stored("/Tensor.add_#0", "input") == 2).all()
+        assert (stored("/Tensor.add_#0", "output") == 3).all()
+        after = stored("/Tensor.__setitem__#0", "output")
+        assert (after[0] == 7).all() and (after[1:] == 3).all()
+        assert (stored("/Tensor.__setitem__#0", "input") == 3).all()
+        assert (stored("/Torch.exp#0", "output") == 1).all() and stored("/Tensor.sum#0", "output") == 300 * 400
+
+
 def test_torch_npu_fused_ops_are_captured_once_and_restored(tmp_path, monkeypatch, backend):
     # No Ascend NPU here: a stand-in torch_npu module with one fused op exercises the wrapping.
     import sys

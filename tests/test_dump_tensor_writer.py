@@ -12,15 +12,28 @@ import torch
 from pi0align import Dumper
 from pi0align.dump import file_format
 from pi0align.dump.file_format import CALL_TYPES, RECORD_TYPES, StepTables
+from pi0align.dump.native_backend import NativeBackend
 from pi0align.dump.writer import DumpWriter
 
 
+@pytest.fixture(params=["at once", "queued"])
+def copier(request):
+    """How put() copies: at once, or queued on the native backend's kernel thread."""
+    if request.param == "at once":
+        return None
+    native = NativeBackend.load()
+    if isinstance(native, str):
+        pytest.skip(f"no native backend here ({native})")
+    return native.copier
+
+
 @pytest.mark.timeout(120)  # a ring that never frees would hang
-def test_ring_wraps_fills_and_passes_tensors_larger_than_itself(tmp_path):
+def test_ring_wraps_fills_and_passes_tensors_larger_than_itself(tmp_path, copier):
     generator = torch.Generator().manual_seed(0)
     tensors = [torch.randn(n, generator=generator) for n in (40_000, 70_000, 10, 300_000, 50_000, 90_000)]
     tensors.append(torch.randn(300, 200, generator=generator).to(torch.bfloat16).t())  # a view, 2-byte dtype
-    writer = DumpWriter(tmp_path / "dump.h5", tensors=True, ring_bytes=1 << 18)  # the 300k tensor does not fit
+    # the 300k tensor does not fit; each put's tensor is a temporary, freed as put returns
+    writer = DumpWriter(tmp_path / "dump.h5", tensors=True, ring_bytes=1 << 18, copier=copier)
     for step in range(2):
         writer.begin_step(step)
         paths = [writer.put(t * (step + 1)) for t in tensors]

@@ -63,6 +63,10 @@ class Backend(Protocol):
     status: str  # stored in the dump file: what runs, and why not the other where it matters
     # The sampler's CPU gather (`takes`, `gather`, `wait`), or None: samples taken with torch ops.
     host_gather: object | None
+    # Tensor mode's copies into the writer's ring on another thread, or None: made at once.
+    # queue(tensor, address) -> the queued call to wait for, 0 when not taken (copied at once
+    # instead); finished() -> queued calls run so far; wait(): until all have run.
+    copier: object | None
 
     def tensors_of(self, *values) -> list[torch.Tensor]:
         """Every tensor in `values`, depth-first through tuples, lists and mappings."""

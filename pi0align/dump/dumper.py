@@ -196,7 +196,9 @@ class Dumper:
                 file_format.create(self.file, attrs,
                                    build_manifest(self._model, self._rank, self._world_size, manifest))
                 self._created = True
-            self._writer = DumpWriter(self.file, tensors=self.mode == "tensor", compress=self._compress)
+            # queued copies only where the capture waits for them before an in-place call
+            self._writer = DumpWriter(self.file, tensors=self.mode == "tensor", compress=self._compress,
+                                      copier=self.backend.copier if self._in_place_seen else None)
         except WRITE_ERRORS as error:
             raise UserError(f"cannot write the dump file {self.file}: {_reason(error)}") from None
 

@@ -2,8 +2,9 @@
 into one torch extension on first use (pi0align/native.py).
 
 Its autograd hooks, argument flattening and step records run in C++; CPU tensors' statistics and
-samples are read in one pass by the kernel's own thread while training goes on (queued tensors
-are kept alive there, and waited for before an in-place call could change them). Tensors the
+samples are read in one pass by the kernel's own thread while training goes on, and tensor mode's
+copies for the writer made there too (queued tensors are kept alive there, and waited for before
+an in-place call could change them). Tensors the
 kernel does not take (accelerator tensors, unusual dtypes) get the torch backend's batched
 statistics (stats.py).
 """
@@ -38,6 +39,7 @@ class NativeBackend:
         self.module = module
         self.status = "compiled"
         self.host_gather = _HostGather(module)
+        self.copier = _QueuedCopies(module)
         self.tensors_of = module.tensors_of
         self.input_edges = module.input_edges
         self.watch = module.watch
@@ -127,6 +129,13 @@ class _HostGather:
 
     def wait(self) -> None:
         self._module.wait()
+
+
+class _QueuedCopies:
+    """Tensor mode's copies of CPU tensors into the writer's ring, made on the kernel's thread."""
+
+    def __init__(self, module) -> None:
+        self.queue, self.finished, self.wait = module.queue_copy, module.finished, module.wait
 
 
 def _torch_flags() -> list[str]:

@@ -20,6 +20,7 @@ from pi0align.dump.steplog import CAPTURED_RECORD_COLUMNS, dtype_name, object_co
 class TorchBackend:
     name = "torch"
     host_gather = None
+    copier = None  # tensor mode's copies are made at once
 
     def __init__(self, status: str) -> None:
         self.status = status  # why this backend: "chosen", or why the native one is not built

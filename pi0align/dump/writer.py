@@ -10,6 +10,7 @@ leaves the writer to finish what it was handed.
 from __future__ import annotations
 
 import atexit
+import collections
 import functools
 import mmap
 import os
@@ -36,7 +37,11 @@ class DumpWriter:
     handed over is on disk, `close()` also ends the process. A failure in the process is raised by
     the next call that hands something over."""
 
-    def __init__(self, path: Path, tensors: bool = False, compress: bool = True, ring_bytes: int | None = None) -> None:
+    def __init__(self, path: Path, tensors: bool = False, compress: bool = True, ring_bytes: int | None = None,
+                 copier=None) -> None:
+        """`copier`: the backend's queued copies into the ring (`queue`, `finished`, `wait`:
+        backend.py), taken where the capture waits for them before an in-place call; None: each
+        tensor is copied at once."""
         self.path = path
         self._ring_bytes = ring_bytes or (TENSOR_RING_BYTES if tensors else STEP_RING_BYTES)
         fd = os.memfd_create("pi0align-dump")
@@ -44,6 +49,7 @@ class DumpWriter:
         # MAP_POPULATE: the pages are allocated now, not at a dumped step's first copy into them
         self._ring = mmap.mmap(fd, self._ring_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         self._ring_tensor = torch.frombuffer(self._ring, dtype=torch.uint8)
+        self._ring_address = self._ring_tensor.data_ptr()
         self._ring_array = np.frombuffer(self._ring, dtype=np.uint8)
         python_path = os.pathsep.join(filter(None, (_PACKAGE_ROOT, os.environ.get("PYTHONPATH"))))
         self._process = subprocess.Popen(
@@ -58,6 +64,10 @@ class DumpWriter:
         self._error: str | None = None
         self._closing = self._ended = False
         self._commands: list[tuple] = []  # not yet sent
+        self._sent = 0  # commands sent so far: the place of _commands[0] in the stream
+        self._copier = copier
+        # (place in the stream, queued copy) of the unsent commands whose tensor is still being copied
+        self._copying: collections.deque[tuple[int, int]] = collections.deque()
         self._tensor_step_open = False
         self._count = 0
         self._answered = threading.Condition()
@@ -91,8 +101,12 @@ class DumpWriter:
         offset = self._place(nbytes)
         if offset is None:
             return ""
-        target = self._ring_tensor[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
-        target.copy_(tensor.detach())
+        copying = self._copier.queue(tensor, self._ring_address + offset) if self._copier is not None else 0
+        if copying:
+            self._copying.append((self._sent + len(self._commands), copying))
+        else:
+            target = self._ring_tensor[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
+            target.copy_(tensor.detach())
         self._commands.append(("write", name, dtype, np_dtype, tuple(tensor.shape), (offset, nbytes), self._head))
         if len(self._commands) >= 256:
             self._send()
@@ -108,7 +122,7 @@ class DumpWriter:
         if not self._ended and (tables is not None or stacks or metrics):
             self._hand_over_append({"tables": tables, "stacks": stacks, "metrics": metrics,
                                     "tensors_file": tensors_file})
-        self._send()
+        self._send(copied=True)
         self._raise_error()
 
     def flush(self) -> None:
@@ -178,10 +192,25 @@ class DumpWriter:
         self._head = start + size
         return start % self._ring_bytes
 
-    def _send(self) -> None:
-        commands, self._commands = self._commands, []
-        if commands:
-            self._send_batch(commands)
+    def _send(self, copied: bool = False) -> None:
+        """Send the commands whose tensors are in the ring: those before the first whose queued
+        copy has not run yet, or, `copied`, all of them once every queued copy has run."""
+        ready = len(self._commands)
+        if self._copying and copied:
+            self._copier.wait()
+            self._copying.clear()
+        elif self._copying:
+            finished = self._copier.finished()
+            while self._copying and self._copying[0][1] <= finished:
+                self._copying.popleft()
+            if self._copying:
+                ready = self._copying[0][0] - self._sent
+        if not ready:
+            return
+        commands = self._commands[:ready]
+        del self._commands[:ready]
+        self._sent += ready
+        self._send_batch(commands)
 
     def _send_batch(self, batch: list | None) -> None:
         try:
@@ -192,7 +221,7 @@ class DumpWriter:
 
     def _wait(self, done) -> bool:
         """Block until `done()` (an answer arrived): True, or until the writer failed or ended: False."""
-        self._send()
+        self._send(copied=True)
         with self._answered:
             return self._answered.wait_for(lambda: done() or self._error is not None or self._ended) and done()
 

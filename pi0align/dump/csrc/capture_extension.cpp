@@ -359,6 +359,32 @@ PyObject* tensor_gather(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// queue_copy(tensor, address) -> the queued call to wait for (finished() reaching it), 0 when the
+// kernel does not take the tensor: its bytes copied to `address` on the kernel's thread, as they
+// are now (the tensor kept alive, and waited for before an in-place call could change it)
+PyObject* queue_copy(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (!arity(nargs, 2, "queue_copy(tensor, address)")) return nullptr;
+  void* dest = PyLong_AsVoidPtr(args[1]);
+  if (PyErr_Occurred()) return nullptr;
+  if (!THPVariable_Check(args[0])) return PyLong_FromLong(0);
+  const at::Tensor& tensor = THPVariable_Unpack(args[0]);
+  if (!tensor.device().is_cpu() || tensor.layout() != at::kStrided || !tensor.is_contiguous() ||
+      tensor.is_quantized() || tensor.is_neg() || tensor.is_conj())
+    return PyLong_FromLong(0);
+  keep(tensor);
+  pi0align_queue_copy(tensor.data_ptr(), dest, (int64_t)tensor.nbytes());
+  return PyLong_FromLongLong(released + (int64_t)kept.size());  // each queued call keeps one tensor
+  END_HANDLE_TH_ERRORS
+}
+
+// finished(): how many queued calls have run
+PyObject* finished_calls(PyObject*, PyObject*) {
+  int64_t finished = 0;
+  pi0align_finished(&finished);
+  return PyLong_FromLongLong(finished);
+}
+
 // wait(): once every queued call has run, their tensors are let go
 PyObject* wait_queue(PyObject*, PyObject*) {
   Py_BEGIN_ALLOW_THREADS
@@ -780,6 +806,8 @@ PyMethodDef methods[] = {
     {"set_kind", (PyCFunction)(void (*)(void))set_kind, METH_FASTCALL, "the kernel's kind of a dtype"},
     {"stats", (PyCFunction)(void (*)(void))tensor_stats, METH_FASTCALL, "statistics of a CPU tensor"},
     {"gather", (PyCFunction)(void (*)(void))tensor_gather, METH_FASTCALL, "sampled elements of a CPU tensor"},
+    {"queue_copy", (PyCFunction)(void (*)(void))queue_copy, METH_FASTCALL, "a CPU tensor's bytes, copied queued"},
+    {"finished", finished_calls, METH_NOARGS, "how many queued calls have run"},
     {"wait", wait_queue, METH_NOARGS, "until every queued call has run"},
     {"held", held, METH_NOARGS, "how many queued tensors are kept alive"},
     {"forget", forget_queue, METH_NOARGS, "after fork, in the child"},

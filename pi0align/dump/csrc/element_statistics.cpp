@@ -149,18 +149,20 @@ using Gather = void (*)(const void*, const int64_t*, int64_t, double*);
 const Gather GATHERS[] = {gather<Bool>, gather<U8>, gather<I8>, gather<I16>, gather<BF16>, gather<F16>,
                           gather<I32>, gather<F32>, gather<I64>, gather<F64>};
 
-// A queued statistics job (offsets == nullptr) or gather job; sizes copied, the caller's arrays
-// may go as soon as it is queued.
+// A queued statistics job (offsets == nullptr), gather job, or copy job (dest: n bytes of data
+// copied there); sizes copied, the caller's arrays may go as soon as it is queued.
 struct Job {
   const void* data; int kind, ndim;
   int64_t size[16], stride[16], step[16];
   double* out_f; int64_t* out_i;
   const int64_t* offsets; int64_t n;
   int64_t elements;  // read by the job
+  void* dest = nullptr;
 };
 
 void execute(const Job& job) {
-  if (job.offsets == nullptr) KINDS[job.kind](job.data, job.ndim, job.size, job.stride, job.step, job.out_f, job.out_i);
+  if (job.dest != nullptr) std::memcpy(job.dest, job.data, job.n);
+  else if (job.offsets == nullptr) KINDS[job.kind](job.data, job.ndim, job.size, job.stride, job.step, job.out_f, job.out_i);
   else GATHERS[job.kind](job.data, job.offsets, job.n, job.out_f);
 }
 
@@ -258,6 +260,11 @@ extern "C" void pi0align_queue_dense_stats(const void* data, int kind, int64_t n
 
 extern "C" void pi0align_queue_gather(const void* data, int kind, const int64_t* offsets, int64_t n, double* out) {
   Job job{data, kind, 0, {}, {}, {}, out, nullptr, offsets, n, n};
+  queue().push(job);
+}
+
+extern "C" void pi0align_queue_copy(const void* data, void* dest, int64_t nbytes) {
+  Job job{data, 0, 0, {}, {}, {}, nullptr, nullptr, nullptr, nbytes, nbytes / 4, dest};  // a copy costs as a read
   queue().push(job);
 }
 
