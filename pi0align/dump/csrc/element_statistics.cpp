@@ -173,14 +173,18 @@ constexpr size_t WAKE_JOBS = 64;
 
 // One worker thread that runs queued jobs in order while the caller goes on. It is created on
 // first use and never destroyed (detached, so interpreter exit never joins or destroys it); a
-// forked child, which has no such thread, makes its own.
+// forked child, which has no such thread, makes its own. A caller that waits runs queued jobs
+// too, rather than sleep while they wait on one core.
 struct Queue {
   std::mutex mutex;
   std::condition_variable work, idle;
   std::deque<Job> jobs;
   int64_t queued_elements = 0;
   bool sleeping = false, busy = false;
-  std::atomic<int64_t> finished{0};  // jobs run so far, in queue order
+  int helping = 0;  // waiting callers running a job
+  // jobs run so far, in queue order (keep()'s release reads it between waits; within a wait,
+  // where callers run jobs too, it may count one ahead of another still running)
+  std::atomic<int64_t> finished{0};
   pid_t pid = getpid();
 
   Queue() { std::thread([this] { run(); }).detach(); }
@@ -220,7 +224,19 @@ struct Queue {
   void wait() {
     std::unique_lock<std::mutex> lock(mutex);
     wake();
-    idle.wait(lock, [this] { return jobs.empty() && !busy; });
+    while (!jobs.empty()) {
+      Job job = jobs.front();
+      jobs.pop_front();
+      queued_elements -= job.elements;
+      ++helping;
+      lock.unlock();
+      execute(job);
+      lock.lock();
+      --helping;
+      finished.fetch_add(1, std::memory_order_release);
+      if (jobs.empty() && helping == 0 && !busy) idle.notify_all();  // another waiter may wait on this one
+    }
+    idle.wait(lock, [this] { return jobs.empty() && !busy && helping == 0; });
   }
 };
 
