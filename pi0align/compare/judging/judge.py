@@ -34,6 +34,8 @@ something else.
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -216,36 +218,38 @@ def stands_out(calls: Table) -> np.ndarray:
     typical, peers = np.full(len(calls), np.nan), np.zeros(len(calls), np.int64)
     names = calls["name"]
     for members in np.split(family.order, family.starts[1:]) if len(calls) else []:
-        values = introduced[members]
-        ordered = np.sort(values[~np.isnan(values)])
+        values = introduced[members].tolist()  # Python's floats: a family's names are many, their calls few
+        ordered = sorted(v for v in values if v == v)  # NaN is no peer's value
         by_name: dict[str, list[int]] = {}
         for position, name in enumerate(names[members].tolist()):
             by_name.setdefault(name, []).append(position)
+        family_typical, family_peers = [0.0] * len(members), [0] * len(members)
         for own in by_name.values():
-            peers[members[own]] = len(members) - len(own)
-            typical[members[own]] = median_without(ordered, values[own])
+            median = median_without(ordered, [values[p] for p in own])
+            for p in own:
+                family_typical[p], family_peers[p] = median, len(members) - len(own)
+        typical[members], peers[members] = family_typical, family_peers
     with np.errstate(invalid="ignore"):
         return (peers < MIN_PEERS) | (introduced >= STANDOUT * typical)
 
 
-def median_without(ordered: np.ndarray, removed: np.ndarray) -> float:
+def median_without(ordered: list[float], removed: list[float]) -> float:
     """The median of the sorted values `ordered` once `removed` (some of them, or NaN: not among
     them) are taken out, one occurrence each; NaN where none is left. np.nanmedian's answer, in
     a few steps where the calls of a name are few."""
-    removed = np.sort(removed[~np.isnan(removed)])
+    removed = sorted(v for v in removed if v == v)
     left = len(ordered) - len(removed)
     if left <= 0:
-        return float("nan")
-    gone = np.searchsorted(ordered, removed, "left")
-    gone += np.arange(len(gone)) - np.searchsorted(removed, removed, "left")  # repeated values: the next one each
-    gone = gone.tolist()
+        return math.nan
+    # each removed value's place in `ordered`; repeated values take the next place each
+    gone = [bisect.bisect_left(ordered, v) + k - bisect.bisect_left(removed, v) for k, v in enumerate(removed)]
 
     def remaining(rank: int) -> float:
         position = rank
         for index in gone:  # sorted: each removed value at or before the position moves it on by one
             if index <= position:
                 position += 1
-        return float(ordered[position])
+        return ordered[position]
 
     return (remaining((left - 1) // 2) + remaining(left // 2)) / 2
 
