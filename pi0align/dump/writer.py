@@ -66,6 +66,7 @@ class DumpWriter:
         self._commands: list[tuple] = []  # not yet sent
         self._sent = 0  # commands sent so far: the place of _commands[0] in the stream
         self._copier = copier
+        self._queue_copy = copier.queue if copier is not None else lambda tensor, address: 0
         # (place in the stream, queued copy) of the unsent commands whose tensor is still being copied
         self._copying: collections.deque[tuple[int, int]] = collections.deque()
         self._tensor_step_open = False
@@ -101,7 +102,7 @@ class DumpWriter:
         offset = self._place(nbytes)
         if offset is None:
             return ""
-        copying = self._copier.queue(tensor, self._ring_address + offset) if self._copier is not None else 0
+        copying = self._queue_copy(tensor, self._ring_address + offset)
         if copying:
             self._copying.append((self._sent + len(self._commands), copying))
         else:
