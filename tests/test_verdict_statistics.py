@@ -70,6 +70,22 @@ def test_each_api_is_conditioned_by_what_its_statistics_say():
     assert condition == pytest.approx([c for c, _ in expected])
 
 
+def test_the_gradient_of_a_root_is_conditioned_by_how_close_its_forward_input_comes_to_zero():
+    """rsqrt's gradient g ⊙ (-x^-1.5 / 2) is a product whose factor errs by 1.5 e R where its
+    input is closest to zero (RMSNorm's variances): C = 1 + 1.5 R, from the forward call's input;
+    without that forward call, 1."""
+    variances = ("input", 0, 1.0, 1e-2, 1.0, 0.5, "[4, 1]")
+    gradient = [("grad_output", 0, 1.0, -1.0, 1.0, 0.0, "[4, 1]"), ("grad_input", 0, 1.0, -1.0, 1.0, 0.0, "[4, 1]")]
+    calls, records, of = _records(("Torch.rsqrt", [variances, ("output", 0, 1.0, 1.0, 10.0, 5.0, "[4, 1]")]),
+                                  ("Torch.rsqrt", gradient), ("Torch.rsqrt", gradient))
+    calls["direction"] = np.array(["forward", "backward", "backward"], object)
+    calls["name"] = np.array(["root", "root", "elsewhere"], object)  # the last one's forward was not recorded
+    records["direction"] = np.array(["forward"] * 2 + ["backward"] * 4, object)
+    condition, rule = conditions(calls, records, of)
+    assert list(rule) == ["quotient", "quotient gradient", ""]
+    assert condition == pytest.approx([50.0, 1.0 + 1.5 * 100.0, 1.0])
+
+
 def test_a_softmax_keeps_its_mean_whatever_its_input():
     """Every row of a softmax sums to one: the error of its output's mean is rounding alone,
     whatever its input holds, so a softmax scaled by 1.01 cannot hide behind its condition."""

@@ -54,6 +54,10 @@ QUOTIENTS = {**dict.fromkeys(("div", "__truediv__", "__itruediv__", "div_", "tru
              "addcdiv_": (2, lambda r: 1.0 + r), "reciprocal": (0, lambda r: r), "reciprocal_": (0, lambda r: r),
              "rsqrt": (0, lambda r: r / 2), "rsqrt_": (0, lambda r: r / 2),
              "sqrt": (0, lambda r: np.sqrt(r) / 2), "sqrt_": (0, lambda r: np.sqrt(r) / 2)}
+# their gradients where they are powers x^p: g ⊙ p x^(p-1), a product whose factor x^(p-1) errs by
+# |p - 1| e R at the element closest to zero, so C = 1 + |p - 1| R (R of the forward call's input)
+POWER_GRADIENTS = {**dict.fromkeys(("rsqrt", "rsqrt_"), -0.5), **dict.fromkeys(("sqrt", "sqrt_"), 0.5),
+                   **dict.fromkeys(("reciprocal", "reciprocal_"), -1.0)}
 # sums and differences: C = Σ ‖inputs‖ / ‖output‖ (cancellation, by the triangle inequality)
 ADDITIONS = frozenset({"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__",
                        "sub_", "subtract", "lerp", "lerp_"})
@@ -101,9 +105,10 @@ def invariant_errors(calls: Table, records: Table, call_of_record: np.ndarray) -
 def conditions(calls: Table, records: Table, call_of_record: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The condition C of every call and the rule that gave it ("" where C = 1), from its records
     (side A's norm, mean, min, max and shape, their role and arg_index; the call's rank, step, name
-    and direction: a softmax's backward reads its forward call's output) by its API (the tables
-    above), its backward summing a gradient over positions (`reduction_condition`) or its selecting
-    a part of its input (SELECTIONS: ‖x‖ / ‖part‖, all of the input's error may sit in the part).
+    and direction: a softmax's backward reads its forward call's output, a root's its forward call's
+    input) by its API (the tables above), its backward summing a gradient over positions
+    (`reduction_condition`) or its selecting a part of its input (SELECTIONS: ‖x‖ / ‖part‖, all of
+    the input's error may sit in the part).
     `call_of_record`: each record's row in `calls`."""
     function = np.array([api.rpartition(".")[2] for api in calls["api"].tolist()], dtype=object)
     forward = calls["direction"].astype(object) != "backward"
@@ -123,6 +128,12 @@ def conditions(calls: Table, records: Table, call_of_record: np.ndarray) -> tupl
         at = np.flatnonzero(forward & (function == name))
         if len(at):
             apply(_at(len(calls), at, from_ratio(of.closeness_to_zero(at, index))), "quotient")
+    for name, exponent in POWER_GRADIENTS.items():
+        at = np.flatnonzero((calls["direction"] == "backward") & (function == name))
+        saved = forward_calls(calls, at)
+        ratio = np.full(len(at), np.nan)  # no forward call recorded: C = 1
+        ratio[saved >= 0] = of.closeness_to_zero(saved[saved >= 0], 0)
+        apply(_at(len(calls), at, 1.0 + abs(exponent - 1.0) * ratio), "quotient gradient")
     addition = np.flatnonzero(forward & np.isin(function, list(ADDITIONS)))
     with np.errstate(divide="ignore", invalid="ignore"):
         apply(_at(len(calls), addition, of.input_norms(addition) / of.norm(addition, "output", 0)), "cancellation")
