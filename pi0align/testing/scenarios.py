@@ -15,7 +15,7 @@ from pi0align.testing.models import HandWrittenAdamW, Mlp, Transformer
 
 FUNCTIONS = {"linear": F.linear, "gelu": F.gelu, "layer_norm": F.layer_norm, "softmax": torch.softmax,
              "matmul": torch.matmul, "sdpa": F.scaled_dot_product_attention, "add": torch.Tensor.add,
-             "silu": F.silu, "mul": torch.Tensor.mul}
+             "silu": F.silu, "mul": torch.Tensor.mul, "rsqrt": torch.rsqrt}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -378,13 +378,19 @@ EXPERT_FAULT = ("model.paligemma_with_expert.gemma_expert.model.layers.1.mlp", "
 
 
 EXPERT_CULPRIT = "model.paligemma_with_expert.gemma_expert.model.layers.1.mlp.gate_proj/Functional.linear#0"
+# an RMSNorm's rsqrt, whose gradient is judged through how close its input comes to zero
+RMS_NORM = "model.paligemma_with_expert.paligemma.model.language_model.layers.3.input_layernorm"
 
 
 def pi0_cases(steps: int = 2) -> list[Case]:
     a = Pi0Run(threads=1, steps=steps)
+    root_gradient = Emulation(fault=(RMS_NORM, "rsqrt", 0, 1.03), fault_backward=True)
     return [Case("PI0 small bf16 tensor: 1 vs 2 threads", a, Pi0Run(threads=2, steps=steps), "aligned"),
             Case("PI0 small bf16 tensor: 2 threads + expert linear 3% off", a,
-                 Pi0Run(threads=2, steps=steps, device=Emulation(fault=EXPERT_FAULT)), "diverged", EXPERT_CULPRIT)]
+                 Pi0Run(threads=2, steps=steps, device=Emulation(fault=EXPERT_FAULT)), "diverged", EXPERT_CULPRIT),
+            Case("PI0 small bf16 tensor: 2 threads + an RMSNorm's rsqrt gradient 3% off", a,
+                 Pi0Run(threads=2, steps=steps, device=root_gradient), "diverged", f"{RMS_NORM}/Torch.rsqrt#0",
+                 direction="backward")]
 
 
 def statistics_only(case: Case) -> Case:
