@@ -180,8 +180,8 @@ struct Queue {
   std::condition_variable work, idle;
   std::deque<Job> jobs;
   int64_t queued_elements = 0;
-  bool sleeping = false, busy = false;
-  int helping = 0;  // waiting callers running a job
+  bool sleeping = false;
+  int running = 0;  // jobs being run: by the worker, and by callers that wait
   // jobs run so far, in queue order (keep()'s release reads it between waits; within a wait,
   // where callers run jobs too, it may count one ahead of another still running)
   std::atomic<int64_t> finished{0};
@@ -198,16 +198,22 @@ struct Queue {
         work.wait(lock, [this] { return !sleeping; });
         continue;
       }
-      Job job = jobs.front();
-      jobs.pop_front();
-      queued_elements -= job.elements;
-      busy = true;
-      lock.unlock();
-      execute(job);
-      lock.lock();
-      busy = false;
-      finished.fetch_add(1, std::memory_order_release);
+      run_front(lock);
     }
+  }
+
+  // The front job, run with the lock released meanwhile (held on entry and on return).
+  void run_front(std::unique_lock<std::mutex>& lock) {
+    Job job = jobs.front();
+    jobs.pop_front();
+    queued_elements -= job.elements;
+    ++running;
+    lock.unlock();
+    execute(job);
+    lock.lock();
+    --running;
+    finished.fetch_add(1, std::memory_order_release);
+    if (jobs.empty() && running == 0) idle.notify_all();
   }
 
   void wake() {  // with the lock held
@@ -224,19 +230,8 @@ struct Queue {
   void wait() {
     std::unique_lock<std::mutex> lock(mutex);
     wake();
-    while (!jobs.empty()) {
-      Job job = jobs.front();
-      jobs.pop_front();
-      queued_elements -= job.elements;
-      ++helping;
-      lock.unlock();
-      execute(job);
-      lock.lock();
-      --helping;
-      finished.fetch_add(1, std::memory_order_release);
-      if (jobs.empty() && helping == 0 && !busy) idle.notify_all();  // another waiter may wait on this one
-    }
-    idle.wait(lock, [this] { return jobs.empty() && !busy && helping == 0; });
+    while (!jobs.empty()) run_front(lock);
+    idle.wait(lock, [this] { return jobs.empty() && running == 0; });
   }
 };
 
