@@ -53,7 +53,8 @@ def _named(value, path: str, out: list) -> None:
 
 
 def describe_arguments(args: tuple, kwargs: dict) -> str:
-    """`{"args": [...], "kwargs": {...}}` with tensors as `{"tensor": k}`, k in flattening order."""
+    """`{"args": [...], "kwargs": {...}}` with tensors as `{"tensor": k}`, k in flattening order
+    (the native backend has the same in C++: csrc/call_description.cpp)."""
     counter = iter(range(1 << 62))
     described = {
         "args": [_describe(a, counter) for a in args],

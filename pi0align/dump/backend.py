@@ -82,6 +82,12 @@ class Backend(Protocol):
     def watch_tensor_grads(self, tensors: list[torch.Tensor], role: str, sink) -> None:
         """Report the full gradient of each tensor that requires grad (module inputs)."""
 
+    def describe_arguments(self, args: tuple, kwargs: dict) -> str:
+        """A call's arguments as JSON (arguments.describe_arguments)."""
+
+    def call_site(self, stacks, module: str) -> int:
+        """The stack id of the call site that called into torch (stacks.call_site)."""
+
     def records(self, in_place_seen: bool, tensor_sink, sampler) -> StepRecords:
         """A step's records. in_place_seen: the capture sees every in-place call and calls
         `before_change` first, so statistics may wait for it; else what waits is a copy.

@@ -9,9 +9,9 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pi0align.dump.arguments import describe_arguments, named_tensors
+from pi0align.dump.arguments import named_tensors
 from pi0align.dump.backend import Backend
-from pi0align.dump.naming import ApiNames, Namer, is_inplace
+from pi0align.dump.naming import ApiNames, is_inplace, next_name
 from pi0align.dump.optimizer import OptimizerRecorder
 from pi0align.dump.stacks import Stacks
 from pi0align.dump.steplog import Filter, StepLog
@@ -28,7 +28,7 @@ class Capture:
         self.level = level
         self.selected = selected
         self.api_names = ApiNames()
-        self.namer = Namer()
+        self.name_counts: dict[tuple[str, str, str], int] = {}  # the step's, for next_name
         self.stacks = Stacks()
         self.log: StepLog | None = None
         self._mode: _ApiMode | None = None
@@ -58,6 +58,7 @@ class Capture:
         self._input_edges, self._watch = backend.input_edges, backend.watch
         self._watch_tensor_grads = backend.watch_tensor_grads
         self._tensors_of = backend.tensors_of
+        self._describe_arguments, self._call_site = backend.describe_arguments, backend.call_site
 
     @property
     def installed(self) -> bool:
@@ -196,7 +197,7 @@ class Capture:
     def begin_step(self, log: StepLog) -> None:
         self.log = log
         self._resume()
-        self.namer.reset()
+        self.name_counts.clear()
         self._param_calls = None
         self._grad_rows = {}
         self._module_paths.clear()
@@ -241,7 +242,7 @@ class Capture:
             self._read_parameters()
         with _quiet():
             for key, tensor in named_tensors(args, kwargs):
-                name = self.namer.next(key, "Data", "data")
+                name = next_name(self.name_counts, key, "Data", "data")
                 if self.selected(name):
                     call_id = self.log.open_call(name, "", "Data", "data", -1, "{}")
                     self.log.add_tensor(call_id, name, "output", 0, tensor)
@@ -250,11 +251,11 @@ class Capture:
         """Name the call and open its row; None when the filter leaves it out."""
         if self._param_calls is None:
             self._read_parameters()
-        name = self.namer.next(module, api)
+        name = next_name(self.name_counts, module, api, "forward")
         if not self.selected(name):
             return None
-        stack_id = self.stacks.current(module)
-        call_id = self.log.open_call(name, module, api, "forward", stack_id, describe_arguments(args, kwargs))
+        call_id = self.log.open_call(name, module, api, "forward", self._call_site(self.stacks, module),
+                                     self._describe_arguments(args, kwargs))
         return call_id, name
 
     def api_call(self, func, api: str, args: tuple, kwargs: dict):

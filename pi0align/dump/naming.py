@@ -1,6 +1,6 @@
 """API names of captured functions, and per-step counters that turn them into stable names.
 
-`name = "<module path>/<API>#<k>"`, `k` counting calls of that API under that module path within
+`name = "<module path>/<API>#<k>"` (`next_name`), `k` counting calls of that API under that module path within
 the step and direction, so an extra or fused call in one module never renames those of another.
 """
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections import Counter
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -66,20 +65,13 @@ def _fallback_name(func) -> str:
     return f"Torch.{name}"
 
 
-class Namer:
-    """Per-step counters: `next(module, api, direction)` is the name of the next such call."""
-
-    def __init__(self) -> None:
-        self._counts: Counter = Counter()
-
-    def reset(self) -> None:
-        self._counts.clear()
-
-    def next(self, module: str, api: str, direction: str = "forward") -> str:
-        key = (module, api, direction)
-        k = self._counts[key]
-        self._counts[key] = k + 1
-        return f"{module}/{api}#{k}"
+def next_name(counts: dict[tuple[str, str, str], int], module: str, api: str, direction: str) -> str:
+    """The name of the next (module, api, direction) call, counted in `counts` (the step's: cleared
+    at each)."""
+    key = (module, api, direction)
+    k = counts.get(key, 0)
+    counts[key] = k + 1
+    return f"{module}/{api}#{k}"
 
 
 # Calls that update tensor arguments without saying so: the running statistics of normalisations.

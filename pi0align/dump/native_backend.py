@@ -1,7 +1,7 @@
 """The native dump backend: `csrc/capture_extension.cpp` and `csrc/element_statistics.cpp`, built
 into one torch extension on first use (pi0align/native.py).
 
-Its autograd hooks, argument flattening and step records run in C++; CPU tensors' statistics and
+Its autograd hooks, argument flattening, call sites, arguments and step records run in C++; CPU tensors' statistics and
 samples are read in one pass by the kernel's own thread while training goes on, and tensor mode's
 copies for the writer are made there too (queued tensors are kept alive there, and waited for
 before an in-place call could change them). Tensors the kernel does not take (accelerator
@@ -23,7 +23,8 @@ from pi0align.dump.stats import BatchedStatistics, finish_statistics
 from pi0align.dump.steplog import dtype_name, object_column
 from pi0align.native import FLAGS, Extension
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("capture_extension.cpp", "element_statistics.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name
+            for name in ("capture_extension.cpp", "call_description.cpp", "element_statistics.cpp")]
 # dtype -> the kernel's element kind (element_statistics.h)
 KINDS = {torch.bool: 0, torch.uint8: 1, torch.int8: 2, torch.int16: 3, torch.bfloat16: 4, torch.float16: 5,
          torch.int32: 6, torch.float32: 7, torch.int64: 8, torch.float64: 9}
@@ -43,6 +44,7 @@ class NativeBackend:
         self.input_edges = module.input_edges
         self.watch = module.watch
         self.watch_tensor_grads = module.watch_tensor_grads
+        self.describe_arguments, self.call_site = module.describe_arguments, module.call_site
 
     @staticmethod
     @functools.cache

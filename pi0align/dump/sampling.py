@@ -27,7 +27,7 @@ class Sampler:
         # cached layout; int32 until a tensor of 2^31 elements or more needs int64 (docs/dump-format.md).
         self._position_table = np.full((256, size), -1, dtype=np.int32)
         self._layouts = 1  # rows of the positions table in use
-        self._host = np.full((0, size), np.nan)  # per row, float64 NaN-padded: the kernel writes here
+        self._host = np.full((0, size), np.nan)  # per row, float64: the kernel writes a record's values here
         self._on_device: dict[int, torch.Tensor] = {}  # row -> float64 values on the tensor's device
         self._position_rows: list[int] = []  # per row, its row of the positions table
         self._counts: list[int] = []
@@ -35,7 +35,7 @@ class Sampler:
 
     def add(self, tensor: torch.Tensor, name: str, role: str, arg_index: int) -> int:
         """Queue the sample of one record; returns its row."""
-        key = (name, role, arg_index, tuple(tensor.shape), tensor.stride(), tensor.device)
+        key = (name, role, arg_index, tensor.shape, tensor.stride(), tensor.device)
         cached = self._cache.get(key)
         if cached is None:
             cached = self._cache[key] = self._layout(tensor, name, role, arg_index)
@@ -44,10 +44,8 @@ class Sampler:
         if on_device is None:
             if row + 1 >= len(self._host):  # one row to spare: the NaN row of records without a sample
                 self._grow(row + 2)
-            if count < self.size:
-                self._host[row, count:] = np.nan  # the kernel writes the first `count`
-            self._host_gather.gather(tensor, offsets_at, count, self._host_at + self._host.strides[0] * row,
-                                     self.queued)
+            # the kernel writes the first `count` values; those past them are NaN'd at `collect`
+            self._host_gather.gather(tensor, offsets_at, count, self._host_at + self._row_bytes * row, self.queued)
         else:
             memory = tensor.detach().as_strided((_extent(tensor),), (1,))  # the elements' span, views not copied
             self._on_device[row] = memory.index_select(0, on_device).to(torch.float64)
@@ -76,7 +74,7 @@ class Sampler:
         self._host_gather.wait()
         host = np.full((max(256, needed, 2 * len(self._host)), self.size), np.nan)
         host[: len(self._host)] = self._host
-        self._host, self._host_at = host, host.ctypes.data
+        self._host, self._host_at, self._row_bytes = host, host.ctypes.data, host.strides[0]
 
     def collect(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For queued rows `rows` (-1: none), (values [n, size] NaN-padded, positions [n, size]
@@ -95,14 +93,14 @@ class Sampler:
                 self._host[r] = np.nan
                 self._host[r, : self._counts[r]] = host[offset : offset + self._counts[r]]
                 offset += self._counts[r]
-        self._host[queued] = np.nan  # the row of records without a sample
         take = np.where(rows >= 0, rows, queued)
+        counts = np.array([*self._counts, 0], dtype=np.int32)[take]
         values = self._host[take]
+        values[np.arange(self.size) >= counts[:, None]] = np.nan  # past each record's count: a row's earlier values
         position_rows = np.array([*self._position_rows, 0], dtype=np.int64)
         positions = self._position_table[position_rows[take]]
         if positions.dtype == np.int64 and not self._wide_rows:
             positions = positions.astype(np.int32)  # int64 only in a step that needs it
-        counts = np.array([*self._counts, 0], dtype=np.int32)[take]
         self._on_device, self._position_rows, self._counts, self._wide_rows = {}, [], [], 0
         return values, positions, counts
 

@@ -1,6 +1,7 @@
 """Call-site stacks, recorded once per call site: the first call from a site (the innermost
 frame outside torch and the dumper, within one module path) formats the whole stack; later calls
-only look that site up."""
+only look that site up (`call_site`; the native backend has the same in C++:
+csrc/call_description.cpp)."""
 
 from __future__ import annotations
 
@@ -11,34 +12,28 @@ import sys
 import torch
 
 # Frames inside torch and inside the dumper are the machinery, not the call site.
-_HIDDEN = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+HIDDEN = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
 
 
 class Stacks:
     """Interns call-site stacks; `new` holds the ones not yet written to the file."""
 
+    hidden = HIDDEN
+
     def __init__(self) -> None:
-        self._ids: dict[tuple, tuple[int, object]] = {}  # (module, id(code), line) -> (stack_id, code)
+        # (module, id(code), line) -> (stack id, code): hashing a code object costs more than the
+        # rest; the code object is kept, so that its id is not reused meanwhile
+        self.ids: dict[tuple, tuple[int, object]] = {}
         self.new: list[tuple[int, str]] = []  # (stack_id, JSON list of "file:line function")
 
-    def current(self, module: str) -> int:
-        """The stack id of the call site that called into torch, interning it on first sight."""
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename.startswith(_HIDDEN):
-            frame = frame.f_back
-        if frame is None:
-            return -1
-        code = frame.f_code
-        key = (module, id(code), frame.f_lineno)  # hashing a code object costs more than the rest
-        known = self._ids.get(key)
-        if known is not None:
-            return known[0]
-        stack_id = len(self._ids)
-        self._ids[key] = (stack_id, code)  # the code object is kept: its id is not reused meanwhile
+    def intern(self, frame, key: tuple) -> int:
+        """The stack id of a call site seen for the first time: `frame`, under `key`."""
+        stack_id = len(self.ids)
+        self.ids[key] = (stack_id, frame.f_code)
         frames = []
         while frame is not None:
             code = frame.f_code
-            if not code.co_filename.startswith(_HIDDEN):
+            if not code.co_filename.startswith(HIDDEN):
                 frames.append(f"{code.co_filename}:{frame.f_lineno} {code.co_name}")
             frame = frame.f_back
         self.new.append((stack_id, json.dumps(frames[::-1])))
@@ -47,3 +42,16 @@ class Stacks:
     def take_new(self) -> list[tuple[int, str]]:
         new, self.new = self.new, []
         return new
+
+
+def call_site(stacks: Stacks, module: str) -> int:
+    """The stack id of the call site that called into torch, interned in `stacks` on first sight;
+    -1 when every frame is torch's or the dumper's."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(stacks.hidden):
+        frame = frame.f_back
+    if frame is None:
+        return -1
+    key = (module, id(frame.f_code), frame.f_lineno)
+    known = stacks.ids.get(key)
+    return known[0] if known is not None else stacks.intern(frame, key)

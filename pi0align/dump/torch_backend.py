@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from pi0align.dump import backward
-from pi0align.dump.arguments import tensors_of
+from pi0align.dump.arguments import describe_arguments, tensors_of
+from pi0align.dump.stacks import call_site
 from pi0align.dump.stats import BatchedStatistics, finish_statistics, skip_reason
 from pi0align.dump.steplog import CAPTURED_RECORD_COLUMNS, dtype_name, object_column
 
@@ -29,6 +30,8 @@ class TorchBackend:
     input_edges = staticmethod(backward.input_edges)
     watch = staticmethod(backward.watch)
     watch_tensor_grads = staticmethod(backward.watch_tensor_grads)
+    describe_arguments = staticmethod(describe_arguments)
+    call_site = staticmethod(call_site)
 
     def records(self, in_place_seen: bool, tensor_sink, sampler) -> TorchRecords:
         return TorchRecords(in_place_seen, tensor_sink, sampler)

@@ -6,7 +6,8 @@
 // - recorder / record / set_call / columns / statistics: a step's records, deduplicated, with
 //   their statistics by element_statistics.cpp (queued on its thread) or, for tensors it does not
 //   take, by the Python callback it is given;
-// - stats / gather / wait: the kernel's entry points taking the tensor itself.
+// - stats / gather / wait: the kernel's entry points taking the tensor itself;
+// - describe_arguments / call_site: what a forward call's row says of it (call_description.cpp).
 #include <Python.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/Exceptions.h>
@@ -25,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "call_description.h"
 #include "element_statistics.h"
 
 namespace {
@@ -41,12 +43,7 @@ PyObject* role_grad_input;
 
 struct Slot { uint32_t index; long arg; };  // a gradient's index at the node, the call's argument
 
-// Whether a call got `expected` arguments; if not, a TypeError showing the signature is set.
-bool arity(Py_ssize_t nargs, Py_ssize_t expected, const char* signature) {
-  if (nargs == expected) return true;
-  PyErr_SetString(PyExc_TypeError, signature);
-  return false;
-}
+using pi0align::arity;
 
 // A Python object held by a hook, which autograd may free on a thread without the GIL.
 struct PyRef {
@@ -252,7 +249,9 @@ constexpr int kMaxDims = 16;  // the kernel's odometer
 constexpr size_t kReleaseEvery = 64;  // queued calls between two looks at which have run
 
 // Queued tensors, kept alive until their call has run (never freed at exit: no static destructor
-// may free a tensor after the interpreter is gone).
+// may free a tensor after the interpreter is gone). The tensor, not only its memory: autograd then
+// copies a gradient into `.grad` rather than move it there, so that hooks and DDP changing `.grad`
+// in place before the queue is drained (at backward's end) never change what is queued.
 std::deque<at::Tensor>& kept = *new std::deque<at::Tensor>();
 int64_t released = 0;  // queued calls whose tensor was let go
 
@@ -753,8 +752,6 @@ PyObject* close_recorder(PyObject*, PyObject* capsule) {
 
 // ---- the tensors of a call: arguments.py's tensors_of -----------------------------------------
 
-PyObject* mapping_type = nullptr;  // collections.abc.Mapping
-
 // Append every tensor in `value`, depth-first through tuples, lists and mappings, to `out`.
 bool flatten_into(PyObject* value, PyObject* out) {
   if (THPVariable_Check(value)) return PyList_Append(out, value) == 0;
@@ -770,13 +767,7 @@ bool flatten_into(PyObject* value, PyObject* out) {
       if (!flatten_into(item, out)) return false;
     return true;
   }
-  if (mapping_type == nullptr) {
-    PyObject* abc = PyImport_ImportModule("collections.abc");
-    mapping_type = abc ? PyObject_GetAttrString(abc, "Mapping") : nullptr;
-    Py_XDECREF(abc);
-    if (mapping_type == nullptr) return false;
-  }
-  int mapping = PyObject_IsInstance(value, mapping_type);
+  int mapping = pi0align::is_mapping(value);
   if (mapping <= 0) return mapping == 0;
   PyObject* values = PyObject_CallMethod(value, "values", nullptr);
   PyObject* items = values ? PySequence_Fast(values, "values() is not iterable") : nullptr;
@@ -815,6 +806,9 @@ PyMethodDef methods[] = {
     {"input_edges", input_edges, METH_O, "the gradient edges of the tensors that require grad"},
     {"watch", (PyCFunction)(void (*)(void))watch, METH_FASTCALL, "hook the nodes of a call's outputs"},
     {"tensors_of", (PyCFunction)(void (*)(void))tensors_of, METH_FASTCALL, "the tensors in the values"},
+    {"describe_arguments", (PyCFunction)(void (*)(void))pi0align::describe_arguments, METH_FASTCALL,
+     "a call's arguments as JSON"},
+    {"call_site", (PyCFunction)(void (*)(void))pi0align::call_site, METH_FASTCALL, "a call site's stack id"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -1,0 +1,15 @@
+// What the capture writes of each forward call it records (call_description.cpp): entry points of
+// the pi0align_capture extension (capture_extension.cpp's method table), and the helpers both use.
+#pragma once
+
+#include <Python.h>
+
+namespace pi0align {
+PyObject* describe_arguments(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+PyObject* call_site(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+
+// Whether a call got `expected` arguments; if not, a TypeError showing the signature is set.
+bool arity(Py_ssize_t nargs, Py_ssize_t expected, const char* signature);
+// isinstance(value, collections.abc.Mapping): 1, 0, or -1 with a Python error set.
+int is_mapping(PyObject* value);
+}  // namespace pi0align
