@@ -3,6 +3,8 @@ the ring wraps and fills (the training side waits) and when one is larger than t
 
 from __future__ import annotations
 
+import os
+
 import h5py
 import hdf5plugin  # noqa: F401 - the tensors' Zstandard filter
 import numpy as np
@@ -14,6 +16,7 @@ from pi0align.dump import file_format
 from pi0align.dump.file_format import CALL_TYPES, RECORD_TYPES, StepTables
 from pi0align.dump.native_backend import NativeBackend
 from pi0align.dump.writer import DumpWriter
+from pi0align.dump.writer_process import NICENESS
 
 
 @pytest.fixture(params=["at once", "queued"])
@@ -96,6 +99,20 @@ def test_flush_waits_until_the_step_tensors_are_on_disk(tmp_path):
         dumper.step()
         dumper.flush()
         assert (folder / "000000.h5").exists() and not list(folder.glob("*.partial"))
+
+
+def test_the_writer_runs_below_the_training_process_priority(tmp_path):
+    """Where training keeps every core busy, compressing and writing take what it leaves."""
+    writer = DumpWriter(tmp_path / "dump.h5", tensors=True, ring_bytes=1 << 16)
+    try:
+        writer.begin_step(0)
+        writer.put(torch.ones(100))
+        writer.end_step(None, [], [], None)
+        writer.flush()  # the writer has started and answered: its niceness is set
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, writer._process.pid) == min(own + NICENESS, 19)  # 19: the lowest
+    finally:
+        writer.close()
 
 
 def test_close_frees_the_ring_and_ends_the_answers_thread_before_returning(tmp_path):
