@@ -1,7 +1,8 @@
 """API names of captured functions, and per-step counters that turn them into stable names.
 
-`name = "<module path>/<API>#<k>"` (`next_name`), `k` counting calls of that API under that module path within
-the step and direction, so an extra or fused call in one module never renames those of another.
+`name = "<module path>/<API>#<k>"` (`next_name`), `k` counting calls of that API under that module
+path within the step and direction, so an extra or fused call in one module never renames those of
+another.
 """
 
 from __future__ import annotations

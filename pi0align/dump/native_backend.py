@@ -1,11 +1,11 @@
-"""The native dump backend: `csrc/capture_extension.cpp` and `csrc/element_statistics.cpp`, built
-into one torch extension on first use (pi0align/native.py).
+"""The native dump backend: `csrc/capture_extension.cpp`, `csrc/call_description.cpp` and
+`csrc/element_statistics.cpp`, built into one torch extension on first use (pi0align/native.py).
 
-Its autograd hooks, argument flattening, call sites, arguments and step records run in C++; CPU tensors' statistics and
-samples are read in one pass by the kernel's own thread while training goes on, and tensor mode's
-copies for the writer are made there too (queued tensors are kept alive there, and waited for
-before an in-place call could change them). Tensors the kernel does not take (accelerator
-tensors, unusual dtypes) get the torch backend's batched statistics (stats.py).
+Its autograd hooks, argument flattening, call sites, arguments' JSON and step records run in C++;
+CPU tensors' statistics and samples are read in one pass by the kernel's own thread while training
+goes on, and tensor mode's copies for the writer are made there too (queued tensors are kept alive
+there, and waited for before an in-place call could change them). Tensors the kernel does not take
+(accelerator tensors, unusual dtypes) get the torch backend's batched statistics (stats.py).
 """
 
 from __future__ import annotations

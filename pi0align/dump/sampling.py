@@ -90,7 +90,6 @@ class Sampler:
             host = torch.cat([self._on_device[r] for r in device_rows]).cpu().numpy()
             offset = 0
             for r in device_rows:
-                self._host[r] = np.nan
                 self._host[r, : self._counts[r]] = host[offset : offset + self._counts[r]]
                 offset += self._counts[r]
         take = np.where(rows >= 0, rows, queued)

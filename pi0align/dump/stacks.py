@@ -33,7 +33,7 @@ class Stacks:
         frames = []
         while frame is not None:
             code = frame.f_code
-            if not code.co_filename.startswith(HIDDEN):
+            if not code.co_filename.startswith(self.hidden):
                 frames.append(f"{code.co_filename}:{frame.f_lineno} {code.co_name}")
             frame = frame.f_back
         self.new.append((stack_id, json.dumps(frames[::-1])))
