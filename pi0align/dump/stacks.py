@@ -11,14 +11,11 @@ import sys
 
 import torch
 
-# Frames inside torch and inside the dumper are the machinery, not the call site.
-HIDDEN = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
-
-
 class Stacks:
     """Interns call-site stacks; `new` holds the ones not yet written to the file."""
 
-    hidden = HIDDEN
+    # files whose frames are the machinery (torch's, the dumper's), not the call site
+    hidden = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
 
     def __init__(self) -> None:
         # (module, id(code), line) -> (stack id, code): hashing a code object costs more than the
