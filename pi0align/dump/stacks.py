@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+
 class Stacks:
     """Interns call-site stacks; `new` holds the ones not yet written to the file."""
 
