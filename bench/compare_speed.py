@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -67,26 +68,36 @@ class Timed(NamedTuple):
 
 
 def timed(command: list[str], timeout: int = TIMEOUT) -> Timed:
-    """Wall time, what the process said, and its peak resident memory: VmHWM read while it runs
-    (ru_maxrss would carry over the forking parent's, here the process that wrote the dumps)."""
-    start = time.perf_counter()
+    """Wall time up to the process's exit (a blocking wait: a poll would round a 0.3 s run up by
+    half its interval on average), what the process said, and its peak resident memory: VmHWM
+    sampled by a thread while it runs (ru_maxrss would carry over the forking parent's, here the
+    process that wrote the dumps)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
         process = subprocess.Popen(command, stdout=out, stderr=err, text=True)
-        peak = 0
-        while process.poll() is None:
-            peak = max(peak, _high_water_kb(process.pid))
-            if time.perf_counter() - start > timeout:
-                process.kill()
-                process.wait()
-                return Timed(float("inf"), f"timeout after {timeout} s", peak / 2**20)
-            time.sleep(0.02)
+        peak, ended = [0], threading.Event()
+
+        def watch() -> None:  # the memory, and the time limit
+            while not ended.wait(0.02):
+                peak[0] = max(peak[0], _high_water_kb(process.pid))
+                if time.perf_counter() - start > timeout:
+                    process.kill()
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        process.wait()
         elapsed = time.perf_counter() - start
+        ended.set()
+        watcher.join()
+        peak_gib = peak[0] / 2**20
+        if elapsed > timeout:
+            return Timed(float("inf"), f"timeout after {timeout} s", peak_gib)
         out.seek(0), err.seek(0)
         stdout, stderr = out.read(), err.read()
     if process.returncode in (0, 1) and "Traceback" not in stderr:
-        return Timed(elapsed, stdout.strip(), peak / 2**20)
+        return Timed(elapsed, stdout.strip(), peak_gib)
     errors = [line for line in (stdout + stderr).splitlines() if "[ERROR]" in line or "Error" in line]
-    return Timed(elapsed, f"failed (exit {process.returncode}): {(errors or ['?'])[-1].strip()[-120:]}", peak / 2**20)
+    return Timed(elapsed, f"failed (exit {process.returncode}): {(errors or ['?'])[-1].strip()[-120:]}", peak_gib)
 
 
 def _high_water_kb(pid: int) -> int:

@@ -143,21 +143,29 @@ def test_compare_imports_neither_torch_nor_pandas(dumps, tmp_path):
     """Every output of `pi0align compare`, on our dumps and on msprobe's: no torch (it runs where
     only the dumps are), no pandas and hence no pyarrow (a third of a second to import). Full
     tensors are replayed in float64 with torch unless --no-replay says otherwise."""
-    msprobe = _msprobe_dump(tmp_path / "msprobe")
-    script = (
-        "import sys\n"
-        "from pi0align.cli.main import main\n"
-        f"code = main(['compare', {str(dumps['gpu'])!r}, {str(dumps['fault'])!r}, '--json', 's.json',"
-        " '--csv', 'r.csv', '--no-replay'])\n"
-        "assert code == 1, code\n"
-        f"code = main(['compare', {str(msprobe)!r}, {str(msprobe)!r}, '--csv', 'm.csv', '--html', 'm.html'])\n"
-        "assert code == 0, code\n"
-        "print('imported:', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'pandas', 'pyarrow'}))\n"
-    )
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.splitlines()[-1] == "imported: []"
+    msprobe = str(_msprobe_dump(tmp_path / "msprobe"))
+    runs = [([str(dumps["gpu"]), str(dumps["fault"]), "--json", "s.json", "--csv", "r.csv", "--no-replay"], 1),
+            ([msprobe, msprobe, "--csv", "m.csv", "--html", "m.html"], 0)]
+    assert _imported(runs, {"torch", "pandas", "pyarrow"}, tmp_path) == "[]"
     assert (tmp_path / "reports" / "gpu-vs-npu.html").is_file() and (tmp_path / "m.html").is_file()
+
+
+def test_a_compare_of_msprobe_dumps_imports_no_h5py(tmp_path):
+    """msprobe's dumps are JSON: h5py, a tenth of the time of a compare of statistics, stays out."""
+    msprobe = str(_msprobe_dump(tmp_path / "msprobe"))
+    assert _imported([([msprobe, msprobe, "--no-html", "--csv", "m.csv"], 0)], {"h5py", "hdf5plugin"}, tmp_path) == "[]"
+
+
+def _imported(runs: list[tuple[list[str], int]], watched: set[str], cwd) -> str:
+    """Which of the `watched` packages these `pi0align compare` runs ((arguments, exit code), in one
+    new process) imported, as a printed list."""
+    lines = ["import sys", "from pi0align.cli.main import main"]
+    for arguments, code in runs:
+        lines += [f"code = main(['compare', *{arguments!r}])", f"assert code == {code}, code"]
+    lines.append(f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({sorted(watched)!r})))")
+    run = subprocess.run([sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True, cwd=cwd)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.splitlines()[-1]
 
 
 def _msprobe_dump(folder):

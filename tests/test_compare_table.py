@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pi0align.compare.table import Groups, Table, gather, key_codes, lookup, outer_join
+from pi0align.compare.table import Groups, KeyIndex, Table, gather, key_codes, lookup, outer_join
 
 TEXT = lambda *values: np.array(values, object)
 
@@ -28,6 +30,25 @@ def test_lookup_and_gather():
     assert position.tolist() == [1, -1, 0]  # the first row of the table with that key
     assert gather(TEXT("x", "y", "z"), position, "").tolist() == ["y", "", "x"]
     assert np.isnan(gather(np.zeros(0), np.array([-1, -1]), np.nan)).all()  # nothing to gather from
+
+
+_KEY_ROWS = st.lists(st.tuples(st.integers(-3, 3), st.sampled_from(["input", "output", "grad"]),
+                                st.sampled_from([0.5, 1.0, float("nan")])), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(table_rows=_KEY_ROWS, query_rows=_KEY_ROWS)
+def test_a_key_index_finds_what_a_scan_of_the_table_finds(table_rows, query_rows):
+    """Integer, text and float keys (NaN equal to NaN), keys absent from the table, empty tables;
+    asked twice of one index, and through `lookup`."""
+    same = lambda x, y: all(a == b or (a != a and b != b) for a, b in zip(x, y))  # noqa: E731
+    expected = [next((i for i, row in enumerate(table_rows) if same(row, query)), -1) for query in query_rows]
+    columns = lambda rows: [np.array([r[0] for r in rows], np.int64), TEXT(*[r[1] for r in rows]),  # noqa: E731
+                            np.array([r[2] for r in rows], np.float64)]
+    index = KeyIndex(columns(table_rows))
+    assert index.rows(columns(query_rows)).tolist() == expected
+    assert index.rows(columns(query_rows)).tolist() == expected
+    assert lookup(columns(query_rows), columns(table_rows)).tolist() == expected
 
 
 def test_groups_are_numbered_by_first_appearance():

@@ -4,15 +4,22 @@ and samples, and both files read back alike."""
 
 from __future__ import annotations
 
+import h5py
 import numpy as np
 import torch
 
 from pi0align import Dumper
 from pi0align.compare.reading.read_ours import read_pi0align
+from pi0align.dump.file_format import STR
 from pi0align.testing.dump_helpers import read_step
 from pi0align.testing.dumpfactory import Call, Step, write_dump
 
 SAMPLE_SIZE = 16
+
+
+def test_the_format_s_text_type_is_h5py_s_utf8_string():
+    """file_format spells it without importing h5py; h5py must read it as its own."""
+    assert h5py.check_string_dtype(STR) == h5py.check_string_dtype(h5py.string_dtype("utf-8"))
 
 
 def test_the_dumper_and_the_test_factory_write_the_same_checksums_and_samples(tmp_path, backend):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pi0align import Dumper
-from pi0align.dump import file_format
+from pi0align.dump import dump_file
 from pi0align.dump.file_format import CALL_TYPES, RECORD_TYPES, StepTables
 from pi0align.dump.native_backend import NativeBackend
 from pi0align.dump.writer import DumpWriter
@@ -71,7 +71,7 @@ def _tables(step: int, rows: int, sample_size: int) -> StepTables:
 def test_steps_handed_over_through_a_small_ring_come_back_exact(tmp_path):
     """Steps go through the ring (it wraps and fills over the steps), or through the pipe when
     they would take over half of it."""
-    file_format.create(tmp_path / "dump.h5", {}, {})
+    dump_file.create(tmp_path / "dump.h5", {}, {})
     writer = DumpWriter(tmp_path / "dump.h5", ring_bytes=1 << 16)
     steps = [_tables(step, rows=100, sample_size=4 if step % 3 else 64) for step in range(8)]
     for tables in steps:

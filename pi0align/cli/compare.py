@@ -61,7 +61,8 @@ def main(args: argparse.Namespace) -> int:
         from pi0align.report import plotly_js
 
         plotly_js()  # a missing plotly is said now, not after a long compare
-    console, status = Console(), Console(stderr=True)
+    # no emoji codes: a name like `x:fire:` is printed as it is
+    console, status = Console(emoji=False), Console(stderr=True, emoji=False)
     # Precedence, lowest first: defaults, --thresholds FILE, --calibrate, --threshold overrides.
     overrides = parse_overrides(args.threshold)
     thresholds = load_thresholds(args.thresholds)

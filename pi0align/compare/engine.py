@@ -4,13 +4,12 @@ them, and hand them to the Conclusion (conclusion.py), which judges them and fin
 from __future__ import annotations
 
 import gc
-import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,6 +34,9 @@ from pi0align.compare.reading.records import Dump
 from pi0align.compare.result import Comparison
 from pi0align.compare.table import Table, gather, isin
 from pi0align.errors import UserError
+
+if TYPE_CHECKING:
+    from concurrent.futures import ProcessPoolExecutor
 
 Progress = Callable[[int, int], None]
 # Records judged at once (a window of steps, conclusion.py): a window's rows and their stages take
@@ -193,6 +195,9 @@ def _workers(pairs: int) -> Iterator[ProcessPoolExecutor | None]:
     if workers < 2 or not _main_importable():
         yield None
         return
+    import multiprocessing  # here: most compares (one rank pair) start no process
+    from concurrent.futures import ProcessPoolExecutor
+
     context = multiprocessing.get_context("spawn")  # a fork would share the open HDF5 files
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         yield pool

@@ -13,14 +13,15 @@ from __future__ import annotations
 import tempfile
 import weakref
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import h5py
 import numpy as np
 
 from pi0align.compare.table import Table, unique_values
 from pi0align.errors import UserError
 
-_TEXT = h5py.string_dtype()
+if TYPE_CHECKING:
+    import h5py
 
 
 class RowStore:
@@ -60,6 +61,8 @@ class RowStore:
 
     def _written(self, part: Table) -> str:
         """The part written to disk: its group's name."""
+        import h5py  # here: a compare that keeps its rows in memory (most) never needs h5py
+
         try:
             if self._h5 is None:
                 file = tempfile.TemporaryFile(prefix="pi0align-rows-")
@@ -72,7 +75,7 @@ class RowStore:
                 values = part[column]
                 if values.dtype == object:
                     distinct, codes = unique_values(values)
-                    group.create_dataset(f"{column}.text", data=np.array(distinct, dtype=_TEXT))
+                    group.create_dataset(f"{column}.text", data=np.array(distinct, dtype=h5py.string_dtype()))
                     values = codes.astype(np.int32)
                 group.create_dataset(column, data=values)
             self._h5.flush()

@@ -119,14 +119,19 @@ def isin(values: np.ndarray, choices: Iterable[Any]) -> np.ndarray:
     return mask
 
 
+_MAX_CODES = 2**62
+
+
 def key_codes(*keys: np.ndarray) -> tuple[np.ndarray, int]:
     """One code per row for its tuple of keys, equal codes for equal tuples, numbered in the
     tuples' sorted order (NaN last, NaNs equal to each other); and the number of codes."""
     codes, count = np.zeros(len(keys[0]) if keys else 0, np.int64), 1
     for key in keys:
         distinct, inverse = unique_values(key)
-        codes, count = _compress(codes * len(distinct) + inverse)
-    return codes, count
+        if count * max(len(distinct), 1) >= _MAX_CODES:  # renumbered densely only before it could overflow
+            codes, count = _compress(codes)
+        codes, count = codes * len(distinct) + inverse, count * max(len(distinct), 1)
+    return _compress(codes)
 
 
 def unique_values(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -209,12 +214,47 @@ def gather(values: np.ndarray, rows: np.ndarray, missing: Any) -> np.ndarray:
 def lookup(keys: Sequence[np.ndarray], table_keys: Sequence[np.ndarray]) -> np.ndarray:
     """For each row of `keys`, the position of the row of `table_keys` with the same values
     (the first, when several have them), -1 where none has."""
-    n = len(keys[0])
-    codes, count = key_codes(*(np.concatenate([k, t]) for k, t in zip(keys, table_keys)))
-    present, first = np.unique(codes[n:], return_index=True)
-    position = np.full(count, -1, np.int64)
-    position[present] = first
-    return position[codes[:n]]
+    return KeyIndex(table_keys).rows(keys)
+
+
+class KeyIndex:
+    """The rows of a table's keys, sorted once for many lookups (`rows`, as `lookup`): per key, its
+    distinct values and the distinct codes of the keys up to it; a row's code at each key is its
+    position among them (NaNs equal to each other)."""
+
+    def __init__(self, table_keys: Sequence[np.ndarray]):
+        self._stages: list[tuple[np.ndarray, np.ndarray]] = []
+        codes = np.zeros(len(table_keys[0]), np.int64)
+        for key in table_keys:
+            distinct, inverse = unique_values(key)
+            combined, codes = np.unique(codes * len(distinct) + inverse, return_inverse=True)
+            self._stages.append((distinct, combined))
+        self._first = np.unique(codes.reshape(-1), return_index=True)[1]  # each code's first row
+
+    def rows(self, keys: Sequence[np.ndarray]) -> np.ndarray:
+        """For each row of `keys`, the first table row with the same values, -1 where none has."""
+        codes, found = np.zeros(len(keys[0]), np.int64), np.ones(len(keys[0]), bool)
+        for key, (distinct, combined) in zip(keys, self._stages):
+            value_codes, present = _positions(distinct, np.asarray(key))
+            codes, known = _positions(combined, codes * len(distinct) + value_codes)
+            found &= present & known
+        return np.where(found, self._first[np.where(found, codes, 0)] if len(self._first) else -1, -1)
+
+
+def _positions(sorted_distinct: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each value's position among `sorted_distinct` (0 where absent), and whether it is there."""
+    if not len(sorted_distinct):
+        return np.zeros(len(values), np.int64), np.zeros(len(values), bool)
+    if sorted_distinct.dtype == object or values.dtype == object:
+        index = {value: code for code, value in enumerate(sorted_distinct.tolist())}
+        found = np.fromiter((index.get(value, -1) for value in values.tolist()), np.int64, len(values))
+        return np.maximum(found, 0), found >= 0
+    at = np.minimum(np.searchsorted(sorted_distinct, values), len(sorted_distinct) - 1)
+    there = sorted_distinct[at]
+    present = there == values
+    if there.dtype.kind == "f" and values.dtype.kind == "f":
+        present |= np.isnan(there) & np.isnan(values)
+    return at, present
 
 
 def outer_join(keys_a: Sequence[np.ndarray], keys_b: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import torch
 
-from pi0align.dump import file_format
+from pi0align.dump import dump_file
 from pi0align.dump.backend import choose_backend
 from pi0align.dump.capture import Capture
-from pi0align.dump.file_format import LEVELS, MODES, WRITE_ERRORS
+from pi0align.dump.dump_file import WRITE_ERRORS
+from pi0align.dump.file_format import LEVELS, MODES
 from pi0align.dump.manifest import build_manifest
 from pi0align.dump.perturb import UlpPerturbation
 from pi0align.dump.sampling import Sampler
@@ -193,7 +194,7 @@ class Dumper:
                     "backend": self.backend.name, "backend_status": self.backend.status,
                 }
                 manifest = {**(self._manifest or {}), "perturb_ulps": self.perturb_ulps}
-                file_format.create(self.file, attrs,
+                dump_file.create(self.file, attrs,
                                    build_manifest(self._model, self._rank, self._world_size, manifest))
                 self._created = True
             # queued copies only where the capture waits for them before an in-place call

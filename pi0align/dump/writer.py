@@ -31,7 +31,7 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # where the writer pro
 
 
 class DumpWriter:
-    """Hands the appends of the dump file `path` (made by `file_format.create`) and, with
+    """Hands the appends of the dump file `path` (made by `dump_file.create`) and, with
     `tensors`, the full tensors of each step (into `<dump>.tensors/<step>.h5`) to the writer
     process. The training thread waits only when the ring is full; `flush()` waits until everything
     handed over is on disk, `close()` also ends the process. A failure in the process is raised by
@@ -115,7 +115,7 @@ class DumpWriter:
 
     def end_step(self, tables: StepTables | None, stacks: list[tuple[int, str]], metrics: list[tuple],
                  tensors_file: str | None) -> None:
-        """Close the step's tensor file, if one is open, and hand over `file_format.append(...)` of
+        """Close the step's tensor file, if one is open, and hand over `dump_file.append(...)` of
         these; raise an earlier failure."""
         if self._tensor_step_open:
             self._commands.append(("close",))

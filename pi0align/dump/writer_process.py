@@ -15,7 +15,7 @@ Commands arrive on stdin as pickled lists; answers leave on stdout, pickled:
                                           (an array), end None
   ("close",)                              finish the step's tensor file and rename it to `path`
   ("append", pickled, [(offset, nbytes)], end)
-                                          `file_format.append(DUMP, **arguments)`, the arguments
+                                          `dump_file.append(DUMP, **arguments)`, the arguments
                                           pickled (protocol 5) with their out-of-band buffers in
                                           the ring at these places; `end` as for "write"
   ("sync",)                               answered ("synced",) once everything before it is done
@@ -38,8 +38,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from pi0align.dump import file_format
-from pi0align.dump.file_format import WRITE_ERRORS, ensure_room
+from pi0align.dump import dump_file
+from pi0align.dump.dump_file import WRITE_ERRORS, ensure_room
 from pi0align.dump.tensor_store import write_tensor_dataset
 
 PARTIAL = ".partial"
@@ -91,7 +91,7 @@ class _Store:
         """Its arrays view the ring: they are gone when this returns, before their place is freed."""
         ring = memoryview(self.ring)
         arguments = pickle.loads(pickled, buffers=[ring[offset:offset + nbytes] for offset, nbytes in places])
-        file_format.append(self.dump, **arguments)
+        dump_file.append(self.dump, **arguments)
 
     def discard(self) -> None:
         """Close and delete an unfinished step's tensor file (its first error is the one reported)."""

@@ -9,13 +9,6 @@ import numpy as np
 from rich.console import Console, Group
 from rich.markup import escape
 from rich.panel import Panel
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 from rich.text import Text
 
@@ -96,7 +89,8 @@ def _verdict_panel(comparison: Comparison) -> Panel:
     if len(comparison.rank_verdicts) > 1:
         lines.append(Text("ranks: " + " · ".join(f"{rank} {verdict}" for rank, verdict in
                                                  comparison.rank_verdicts.items())))
-    return Panel(Group(*lines), title="pi0align compare", border_style="green" if aligned else "red", expand=False)
+    return Panel(Group(*lines), title=Text("pi0align compare"), border_style="green" if aligned else "red",
+                 expand=False)
 
 
 def _first_divergence(title: str, call: CallRef) -> Panel:
@@ -108,7 +102,7 @@ def _first_divergence(title: str, call: CallRef) -> Panel:
     )
     for frame in reversed(call.stack):  # innermost first: the line the user should open
         body.append("\n  at " + relative_frame(frame), style="cyan")
-    return Panel(body, title=title, border_style="red", expand=False)
+    return Panel(body, title=Text(title), border_style="red", expand=False)
 
 
 _SHORT_DIRECTIONS = {"forward": "fwd", "backward": "bwd"}
@@ -176,6 +170,12 @@ def progress_bar(console: Console, description: str = "comparing") -> Iterator[P
 
     Drawn only on a terminal, and removed when done, so logs and pipes stay clean.
     """
+    if not console.is_terminal:
+        yield lambda done, total=None, what=None: None
+        return
+    # imported here: with no terminal there is no bar to draw, and its import would be 3 % of a compare of statistics
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task(description, total=None)

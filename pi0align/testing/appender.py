@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from pi0align.dump import file_format, journal
+from pi0align.dump import dump_file, journal
 from pi0align.testing.dumpfactory import run_toy_model, step_tables, write_dump
 
 
@@ -24,7 +24,7 @@ def main(path: Path, layers: int, steps: int, pause: float) -> None:
     write_dump(path, [])
     tables = step_tables(step, "stats", 0, {}, None)
     for number in range(steps):
-        file_format.append(path, dataclasses.replace(tables, step=number), [], [(number, 1.0, 1.0, 1e-3)], None)
+        dump_file.append(path, dataclasses.replace(tables, step=number), [], [(number, 1.0, 1.0, 1e-3)], None)
         print(f"appended {number}", flush=True)
         time.sleep(pause)
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from pi0align.dump import file_format
+from pi0align.dump import dump_file, file_format
 from pi0align.dump.file_format import checksum, sample_positions
 from pi0align.dump.tensor_store import write_tensor_dataset
 
@@ -200,7 +200,7 @@ def write_dump(path: str | Path, steps: list[Step], *, mode: str = "stats", samp
     attrs = {"version": version, "rank": rank, "world_size": world_size, "mode": mode, "level": level,
              "sample_size": sample_size if mode == "sample" else 0, "backend": "test factory",
              "backend_status": "numpy"}
-    file_format.create(path, attrs, manifest)
+    dump_file.create(path, attrs, manifest)
     stack_ids: dict[tuple[str, ...], int] = {}
     for s in steps:
         tensors_file = None
@@ -210,7 +210,7 @@ def write_dump(path: str | Path, steps: list[Step], *, mode: str = "stats", samp
         known = len(stack_ids)
         tables = step_tables(s, mode, sample_size, stack_ids, path.parent / tensors_file if tensors_file else None)
         stacks = [(i, json.dumps(list(frames))) for frames, i in stack_ids.items() if i >= known]
-        file_format.append(path, tables, stacks, [(s.step, s.loss, s.grad_norm, s.lr)], tensors_file)
+        dump_file.append(path, tables, stacks, [(s.step, s.loss, s.grad_norm, s.lr)], tensors_file)
         if not complete:
             with h5py.File(path, "a") as f:
                 f[file_format.step_group(s.step)].attrs["complete"] = False

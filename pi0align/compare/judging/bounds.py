@@ -30,7 +30,7 @@ import numpy as np
 
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.measuring.arguments import adam_step_for
-from pi0align.compare.table import Table, lookup
+from pi0align.compare.table import KeyIndex, Table, lookup
 
 # An output error up to twice what the inputs and rounding explain is the spread of the measure
 # itself (statistics see a tensor's extremes and sums, not its elements); a 3 % fault on an
@@ -170,7 +170,7 @@ class _CallRecords:
 
     def __init__(self, calls: Table, records: Table, call_of_record: np.ndarray):
         self.records, self.call_of_record, self.n_calls = records, call_of_record, len(calls)
-        self.keys = [call_of_record, records["role"], records["arg_index"]]
+        self.index = KeyIndex([call_of_record, records["role"], records["arg_index"]])  # asked once per bound
         self.norms = records["norm_a"].astype(np.float64)
         low, high = records["min_a"].astype(np.float64), records["max_a"].astype(np.float64)
         with np.errstate(invalid="ignore"):
@@ -183,7 +183,7 @@ class _CallRecords:
     def record(self, at: np.ndarray, role: str, index) -> np.ndarray:
         """The row in `records` of each call's tensor of that role and argument index, -1 where none."""
         index = np.broadcast_to(np.asarray(index, np.int64), at.shape)
-        return lookup([at, np.full(len(at), role, object), index], self.keys)
+        return self.index.rows([at, np.full(len(at), role, object), index])
 
     def _of(self, column: np.ndarray, at: np.ndarray, role: str, index) -> np.ndarray:
         found = self.record(at, role, index)
@@ -299,12 +299,11 @@ def step_bounds(calls: Table, records: Table, call_of_record: np.ndarray,
     standing = np.flatnonzero((calls["direction"] == "parameter") & (calls["previous_step"] >= 0))
     if not len(update) and not len(standing):
         return bound, left
-    keys = [call_of_record, records["role"], records["arg_index"]]
-    norm = records["norm_a"].astype(np.float64)
-    numel = np.array([_numel(str(shape)) for shape in records["shape_a"].tolist()], np.float64)
+    of = _CallRecords(calls, records, call_of_record)
+    norm, numel = of.norms, of.numels
 
     def record(at: np.ndarray, role: str) -> np.ndarray:
-        return lookup([at, np.full(len(at), role, object), np.zeros(len(at), np.int64)], keys)
+        return of.record(at, role, 0)
 
     before, after = record(update, "input"), record(update, "output")
     step = np.full(len(update), np.nan)

@@ -8,7 +8,6 @@ Every input has a defined answer, without warnings: see docs/compare.md for the 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -138,8 +137,7 @@ def _reduce_stored_chunks(a: Any, b: Any, workers: int, loops: Loops) -> list[Er
         parts = [jobs[i * len(jobs) // count:(i + 1) * len(jobs) // count] for i in range(count)]
         if len(parts) == 1:
             return [reduce(parts[0])]
-        with ThreadPoolExecutor(len(parts)) as pool:
-            return list(pool.map(reduce, parts))
+        return _in_threads(reduce, parts)
     finally:
         reader_a.close()
         reader_b.close()
@@ -160,8 +158,15 @@ def _reduce_row_ranges(a: Any, b: Any, chunk_elements: int, workers: int, loops:
     bounds = np.linspace(0, rows, parts + 1).astype(int)
     if parts == 1:
         return [reduce(0, rows)]
-    with ThreadPoolExecutor(parts) as pool:
-        return list(pool.map(reduce, bounds[:-1], bounds[1:]))
+    return _in_threads(reduce, bounds[:-1], bounds[1:])
+
+
+def _in_threads(function, *arguments) -> list:
+    """list(map(function, *arguments)), a thread per call (the kernels and HDF5's reads release the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor  # here: a compare of statistics reads no tensors
+
+    with ThreadPoolExecutor(len(arguments[0])) as pool:
+        return list(pool.map(function, *arguments))
 
 
 class _RowRange:

@@ -1,12 +1,18 @@
-"""Open a run given as a dump file, a run folder (one file per rank) or an msprobe dump folder."""
+"""Open a run given as a dump file, a run folder (one file per rank) or an msprobe dump folder.
+
+Our reader (read_ours.py) is imported once a run holds our files: h5py, which it needs, takes a
+tenth of the time of a compare of msprobe's dumps, which are JSON."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pi0align.compare.reading import read_msprobe, read_ours
+from pi0align.compare.reading import read_msprobe
 from pi0align.compare.reading.records import Dump
 from pi0align.errors import UserError
+
+# An HDF5 file's first bytes (our files have no user block, which would move them to byte 512 or later)
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
 def open_run(path: str | Path, steps: set[int] | None = None) -> dict[int, Dump]:
@@ -14,6 +20,8 @@ def open_run(path: str | Path, steps: set[int] | None = None) -> dict[int, Dump]
     files, path = _locate(Path(path))
     if files is None:
         return read_msprobe.read_msprobe(path, steps)
+    from pi0align.compare.reading import read_ours
+
     dumps = [read_ours.read_pi0align(file, steps) for file in files]
     try:
         return _by_rank([(dump.rank, file, dump) for file, dump in zip(files, dumps)], path)
@@ -29,6 +37,8 @@ def dumped_steps(path: str | Path) -> dict[int, dict[int, int | None]]:
     files, path = _locate(Path(path))
     if files is None:
         return read_msprobe.dumped_steps(path)
+    from pi0align.compare.reading import read_ours
+
     return _by_rank([(rank, file, steps) for file in files for rank, steps in [read_ours.dumped_steps(file)]], path)
 
 
@@ -36,10 +46,10 @@ def _locate(path: Path) -> tuple[list[Path] | None, Path]:
     """(the pi0align dump files at `path`, or None for an msprobe dump, and the path)."""
     if not path.exists():
         raise UserError(f"{path}: no such file or folder")
-    if read_ours.is_pi0align_file(path):
+    if _is_hdf5(path):
         return [path], path
     if path.is_dir():
-        files = sorted(p for p in path.glob("*.h5") if read_ours.is_pi0align_file(p))
+        files = sorted(p for p in path.glob("*.h5") if _is_hdf5(p))
         if files:
             return files, path
     if read_msprobe.is_msprobe_path(path):
@@ -47,6 +57,15 @@ def _locate(path: Path) -> tuple[list[Path] | None, Path]:
     if path.is_file():
         raise UserError(f"{path}: not a dump (neither a pi0align HDF5 file nor an msprobe dump.json)")
     raise UserError(f"{path}: no dump inside (expected *.h5 files or msprobe step*/rank*/dump.json)")
+
+
+def _is_hdf5(path: Path) -> bool:
+    """Whether `path` is an HDF5 file: the reader then says whether it is one of ours."""
+    try:
+        with path.open("rb") as file:
+            return file.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE
+    except OSError:  # a folder, or unreadable: said when read
+        return False
 
 
 def _by_rank(items: list[tuple[int, Path, object]], folder: Path) -> dict:

@@ -33,10 +33,6 @@ OPEN_DATASETS = 64
 LOCK_WAIT_S = 60.0  # how long a reader waits out an append in progress (one takes a second or so)
 
 
-def is_pi0align_file(path: Path) -> bool:
-    return path.is_file() and h5py.is_hdf5(path)
-
-
 def dumped_steps(path: Path) -> tuple[int, dict[int, int]]:
     """(the file's rank, {step: its number of records} of the steps it holds, complete or not),
     without reading their records."""
