@@ -139,6 +139,18 @@ def test_missing_plotly_is_said_in_one_line_before_comparing(dumps, tmp_path):
     assert run.stdout == ""  # said before comparing
 
 
+def test_replay_without_torch_is_said_in_one_line_and_no_replay_still_compares(dumps, tmp_path):
+    """compare runs where only the dumps are; of full tensors, its replay needs torch."""
+    no_torch = ("import sys; sys.modules['torch'] = None\n"  # as if torch were not installed
+                "from pi0align.cli.main import main; sys.exit(main(sys.argv[1:]))")
+    run = lambda *extra: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", no_torch, "compare", str(dumps["gpu"]), str(dumps["fault"]), "--no-html", *extra],
+        capture_output=True, text=True, cwd=tmp_path)
+    assert_one_line_error(run(), "needs torch", "--no-replay")
+    without = run("--no-replay")
+    assert without.returncode == 1 and "DIVERGED" in without.stdout, without.stderr
+
+
 def test_compare_imports_neither_torch_nor_pandas(dumps, tmp_path):
     """Every output of `pi0align compare`, on our dumps and on msprobe's: no torch (it runs where
     only the dumps are), no pandas and hence no pyarrow (a third of a second to import). Full

@@ -97,6 +97,8 @@ def _compare(path_a: str | Path, path_b: str | Path, thresholds: dict, steps: It
                         check_reference(runs_a, opened[2], path_a, noise)
                         runs_reference = opened[2]
                     replay &= all(runs[r].mode == "tensor" for runs in (runs_a, runs_b) for r in runs)
+                    if replay:
+                        _check_replay_imports()
                 pairs = [(runs_a[r], runs_b[r], replay) for r in sorted(runs_a)]
                 if noise is not None:
                     pairs += [(runs_a[r], opened[2][r], False) for r in sorted(runs_a)]
@@ -177,6 +179,17 @@ class _Tracker:
         self.done += n
         if self.progress:
             self.progress(self.done, self.total)
+
+
+def _check_replay_imports() -> None:
+    """Replay imports torch, which the rest of a comparison never needs: a torch that cannot be
+    imported is said now, in one line, rather than as a traceback in the middle of the compare."""
+    try:
+        import pi0align.replay  # noqa: F401
+    except (ImportError, OSError) as error:  # OSError: a shared library of torch's that will not load
+        raise UserError(f"replaying the calls of full-tensor dumps needs torch, which does not import here "
+                        f"({str(error).splitlines()[0] if str(error) else type(error).__name__}): "
+                        "install it, or compare without replay (--no-replay)") from None
 
 
 def _work(a: Dump, b: Dump, replay: bool) -> int:
