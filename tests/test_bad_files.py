@@ -278,7 +278,8 @@ def _renamed(steps):
     ("other ranks", ("different ranks", "[0]", "[1]")),
     ("empty", ("holds no complete dumped step",)),
     ("only incomplete steps", ("holds no complete dumped step", "incomplete")),
-    ("no common records", ("pairs with one of", "policy.model")),
+    ("no common records", ("0 of the", "pair with one of", "policy.model")),
+    ("few common records", ("pair with one of", "policy.model")),
 ])
 def test_dumps_with_nothing_to_compare_are_one_line_saying_what_did_not_match(tmp_path, case, fragments):
     base = write_dump(tmp_path / "a.h5", run_toy_model(steps=2))
@@ -292,8 +293,11 @@ def test_dumps_with_nothing_to_compare_are_one_line_saying_what_did_not_match(tm
         write_dump(other, [])
     elif case == "only incomplete steps":
         write_dump(other, steps, complete=False)
-    else:
+    elif case == "no common records":
         write_dump(other, _renamed(steps))
+    else:  # its first two calls of each step named as in A
+        write_dump(other, [dataclasses.replace(s, calls=s.calls[:2] + renamed.calls[2:])
+                           for s, renamed in zip(steps, _renamed(steps))])
     code, stderr = pi0align("compare", base, other, "--no-html")
     assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
     for fragment in fragments:
