@@ -1,18 +1,20 @@
 """Step time of PI0 training with the dumper, as ratios to the same steps without it.
 
-Small preset, CPU (or --device), one CPU thread. Plain and dumped steps alternate in one process, each dumped step
-timed against the plain step just before it (a CPU step drifts over a long run; fixed `MALLOC_*`
-thresholds, set by re-executing this script, steady glibc's allocator). Variants: our Dumper idle
-(started, step not selected), stats, sample and tensor mode at level mix, and stats at level api
-(msprobe's L1 records API calls only). Every mode hands the step to the dumper's writer process and
-goes on (the writer finishes, and the OS writes the dirty pages, untimed, before the next timed
-step); the "until ..." variants also wait (`Dumper.flush()`) until the step is written: the whole
-cost, paid by the training thread only when the writer falls behind (in tensor mode, when steps
-are dumped back to back). msprobe's PrecisionDebugger (when installed) at L1 and
-mix, statistics and tensor, each in its own process because it is a process-wide singleton. Also
-bytes written per dumped step, and the device ops each dump backend issues per recorded tensor
-(counted by a TorchDispatchMode: the ops of a dumped step beyond those of the same step undumped;
-views are not counted, they launch nothing). The torch backend is what an accelerator runs.
+Small preset, CPU (or --device), one CPU thread. Plain and dumped steps alternate in one process,
+each dumped step timed against the plain step just before it (a CPU step drifts over a long run;
+fixed `MALLOC_*` thresholds, set by re-executing this script, steady glibc's allocator). Variants:
+our Dumper idle (started, step not selected), stats, sample and tensor mode at level mix, and stats
+at level api (msprobe's L1 records API calls only), all without the optimizer's update, as msprobe;
+and stats with it, as `pi0align run --dump-steps` records it (`start(policy, optimizer=...)`). Every
+mode hands the step to the dumper's writer process and goes on (the writer finishes, and the OS
+writes the dirty pages, untimed, before the next timed step); the "until ..." variants also wait
+(`Dumper.flush()`) until the step is written: the whole cost, paid by the training thread only when
+the writer falls behind (in tensor mode, when steps are dumped back to back). msprobe's
+PrecisionDebugger (when installed) at L1 and mix, statistics and tensor, each in its own process
+because it is a process-wide singleton. Also bytes written per dumped step, and the device ops each
+dump backend issues per recorded tensor (counted by a TorchDispatchMode: the ops of a dumped step
+beyond those of the same step undumped; views are not counted, they launch nothing). The torch
+backend is what an accelerator runs.
 
     .venv/bin/python bench/dump_overhead.py [--device cpu] [--preset small] [--rounds 5] [--batch-size 8] [--check]
 
@@ -43,6 +45,7 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": 
 # variant -> (mode, level, backend); idle: started, but the step is not one to dump
 OURS = {"idle": None, "stats": ("stats", "mix", "auto"), "stats, until written": ("stats", "mix", "auto"),
         "stats, torch backend": ("stats", "mix", "torch"), "stats (api level)": ("stats", "api", "auto"),
+        "stats, optimizer recorded": ("stats", "mix", "auto"),
         "sample": ("sample", "mix", "auto"), "sample, until written": ("sample", "mix", "auto"),
         "tensor": ("tensor", "mix", "auto"), "tensor, uncompressed": ("tensor", "mix", "auto"),
         "tensor, until on disk": ("tensor", "mix", "auto")}
@@ -113,7 +116,7 @@ def alternate(step_plain, variants: dict, rounds: int, settle: dict | None = Non
 def bench_ours(args, work: Path) -> list[tuple[str, list[float], float, int]]:
     from pi0align import Dumper
 
-    policy, _, step = build(args, work / "run")
+    policy, optimizer, step = build(args, work / "run")
     dumpers, variants, counts = {}, {}, {}
     for name, how in OURS.items():
         mode, level, backend = how or ("stats", "mix", "auto")
@@ -124,7 +127,7 @@ def bench_ours(args, work: Path) -> list[tuple[str, list[float], float, int]]:
         dumpers[name], counts[name] = dumper, 0
 
         def run(dumper=dumper, name=name):
-            dumper.start(policy)
+            dumper.start(policy, optimizer=optimizer if "optimizer" in name else None)
             step()
             dumper.step()
             dumper.stop()
@@ -233,6 +236,7 @@ def profile_dumped_step(args, work: Path, steps: int = 5) -> None:
         dumper.stop()
 
     dumped()  # its first step makes what later ones reuse
+    print_phases(policy, optimizer, step, dumper, steps)
     own: dict[str, list[float]] = {}
     for label, run in (("plain", step), ("dumped", dumped)):
         profiler = cProfile.Profile()
@@ -247,6 +251,47 @@ def profile_dumped_step(args, work: Path, steps: int = 5) -> None:
     extra = sorted(((times[1] - times[0], part) for part, times in own.items()), reverse=True)
     for seconds, part in extra[:20]:
         print(f"{part:48s} {seconds:12.4f} {seconds / (dumped_total - plain_total):6.0%}")
+
+
+def print_phases(policy, optimizer, step, dumper, steps: int) -> None:
+    """Unprofiled, the median seconds of each phase of a plain and a dumped step (stats, level mix,
+    the optimizer's update recorded): the policy's forward and the optimizer's step, timed by their
+    own hooks, the dumper's step end (`Dumper.step()`: its statistics awaited, its tables handed to
+    the writer), and the rest of the training step (backward, clipping, the schedule)."""
+    clock = time.perf_counter
+    marks: dict[str, float] = {}
+
+    def mark(name: str):
+        return lambda *_: marks.__setitem__(name, clock())
+
+    hooks = [policy.register_forward_pre_hook(mark("forward")), policy.register_forward_hook(mark("forward end")),
+             optimizer.register_step_pre_hook(mark("update")), optimizer.register_step_post_hook(mark("update end"))]
+    phases: dict[str, list[list[float]]] = {}
+    for _ in range(steps):
+        for dumping in (False, True):  # alternating: a CPU step drifts
+            if dumping:
+                dumper.start(policy, optimizer=optimizer)
+            started = clock()
+            step()
+            ended = clock()
+            if dumping:
+                dumper.step()
+                dumper.stop()
+            seen = {"forward": marks["forward end"] - marks["forward"],
+                    "optimizer's step": marks["update end"] - marks["update"],
+                    "the dumper's step end": clock() - ended if dumping else 0.0}
+            seen["backward and the rest"] = ended - started - seen["forward"] - seen["optimizer's step"]
+            for phase, seconds in seen.items():
+                phases.setdefault(phase, [[], []])[dumping].append(seconds)
+            if dumping:
+                dumper.flush()
+    for hook in hooks:
+        hook.remove()
+    print(f"a step by phase, unprofiled (median of {steps}; stats, level mix, the optimizer recorded)")
+    print(f"{'phase':28s} {'plain ms':>9s} {'dumped ms':>10s} {'extra ms':>9s}")
+    for phase, (plain, dumped) in phases.items():
+        plain_ms, dumped_ms = 1000 * statistics.median(plain), 1000 * statistics.median(dumped)
+        print(f"{phase:28s} {plain_ms:9.1f} {dumped_ms:10.1f} {dumped_ms - plain_ms:9.1f}")
 
 
 def _part(file: str, function: str) -> str:

@@ -11,6 +11,7 @@ import hdf5plugin
 import numpy as np
 import pytest
 import torch
+from test_dump_statistics import VIEWS
 
 from pi0align import Dumper
 from pi0align.testing.dump_helpers import find, read_step, reference_checksum
@@ -114,6 +115,26 @@ def test_tensor_mode_stores_low_precision_tensors_losslessly(tmp_path, backend):
         stored = group[tables["records"]["tensor"][find(tables, "/Tensor.mul#2", "forward", "input")]]
         assert set(stored._filters) == {"shuffle", str(hdf5plugin.ZSTD_ID)} and stored.chunks[0] < 4000
         assert torch.equal(torch.from_numpy(stored[()].view(np.int16)).view(torch.bfloat16), big.t())
+
+
+@pytest.mark.parametrize("view", VIEWS)
+def test_tensor_mode_stores_a_view_s_elements_in_row_major_order_as_they_were(tmp_path, backend, view):
+    """A view is copied for the writer element by element (the native backend: on its own thread),
+    before an in-place call on its base changes it."""
+    base = torch.randn(6, 5, 4, 3, generator=torch.Generator().manual_seed(0))
+    x = view(base)
+    expected = x.clone()
+    with Dumper(tmp_path, steps=[0], level="api", mode="tensor", backend=backend) as dumper:
+        dumper.start()
+        torch.neg(x)
+        base.add_(1.0)
+        dumper.step()
+    tables = read_step(tmp_path / "dump.h5", 0)
+    with h5py.File(tmp_path / "dump.h5", "r") as f:
+        stored = f["steps/000000"][tables["records"]["tensor"][find(tables, "/Torch.neg#0", "forward", "input")]][()]
+    if x.dtype == torch.bfloat16:
+        stored = torch.from_numpy(stored.view(np.int16)).view(torch.bfloat16)
+    assert torch.equal(torch.as_tensor(stored), expected)
 
 
 def test_tensor_mode_stores_each_tensor_as_it_was_when_recorded(tmp_path, backend):

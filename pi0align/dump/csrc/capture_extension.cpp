@@ -277,9 +277,37 @@ at::Tensor readable(PyObject* object, int* kind) {
   return THPVariable_Check(object) ? readable(THPVariable_Unpack(object), kind) : at::Tensor();
 }
 
+// How the kernel reads a view in place: in memory order (repeated dims outermost, then the largest
+// strides, merged where memory allows), with row-major steps (the checksum's positions, a copy's
+// places); returns the number of dims in size, stride and step.
+int memory_order(const at::Tensor& tensor, int64_t* size, int64_t* stride, int64_t* step) {
+  const int64_t dims = tensor.dim();
+  auto shape = tensor.sizes();
+  auto strides = tensor.strides();
+  int64_t row_major[kMaxDims];
+  int order[kMaxDims];
+  for (int64_t d = dims - 1, place = 1; d >= 0; place *= shape[d], --d) row_major[d] = place;
+  int n = 0;
+  for (int d = 0; d < dims; ++d) if (shape[d] > 1) order[n++] = d;
+  std::stable_sort(order, order + n, [&](int a, int b) {
+    bool a_repeats = strides[a] == 0, b_repeats = strides[b] == 0;
+    if (a_repeats != b_repeats) return a_repeats;
+    return strides[a] > strides[b];
+  });
+  int m = 0;
+  for (int i = 0; i < n; ++i) {
+    int d = order[i];
+    if (m > 0 && stride[m - 1] == strides[d] * shape[d] && step[m - 1] == row_major[d] * shape[d]) {
+      size[m - 1] *= shape[d], stride[m - 1] = strides[d], step[m - 1] = row_major[d];
+    } else {
+      size[m] = shape[d], stride[m] = strides[d], step[m] = row_major[d], ++m;
+    }
+  }
+  return m;
+}
+
 // Statistics of a tensor by the kernel, now or queued; false when the kernel does not take it.
-// Views are read in place in memory order (repeated dims outermost, then the
-// largest strides, merged where memory allows), with row-major steps for the checksum positions.
+// Views are read in place (memory_order).
 bool kernel_stats(const at::Tensor& given, double* floats, int64_t* ints, bool queued) {
   int kind = -1;
   at::Tensor tensor = readable(given, &kind);
@@ -290,29 +318,8 @@ bool kernel_stats(const at::Tensor& given, double* floats, int64_t* ints, bool q
     (queued ? pi0align_queue_dense_stats : pi0align_dense_stats)(data, kind, tensor.numel(), floats, ints);
     return true;
   }
-  const int64_t dims = tensor.dim();
-  auto shape = tensor.sizes();
-  auto strides = tensor.strides();
-  int64_t row_major[kMaxDims];
-  int order[kMaxDims];
-  for (int64_t d = dims - 1, step = 1; d >= 0; step *= shape[d], --d) row_major[d] = step;
-  int n = 0;
-  for (int d = 0; d < dims; ++d) if (shape[d] > 1) order[n++] = d;
-  std::stable_sort(order, order + n, [&](int a, int b) {
-    bool a_repeats = strides[a] == 0, b_repeats = strides[b] == 0;
-    if (a_repeats != b_repeats) return a_repeats;
-    return strides[a] > strides[b];
-  });
   int64_t size[kMaxDims], stride[kMaxDims], step[kMaxDims];
-  int m = 0;
-  for (int i = 0; i < n; ++i) {
-    int d = order[i];
-    if (m > 0 && stride[m - 1] == strides[d] * shape[d] && step[m - 1] == row_major[d] * shape[d]) {
-      size[m - 1] *= shape[d], stride[m - 1] = strides[d], step[m - 1] = row_major[d];
-    } else {
-      size[m] = shape[d], stride[m] = strides[d], step[m] = row_major[d], ++m;
-    }
-  }
+  const int m = memory_order(tensor, size, stride, step);
   (queued ? pi0align_queue_stats : pi0align_stats)(data, kind, m, size, stride, step, floats, ints);
   return true;
 }
@@ -368,11 +375,20 @@ PyObject* queue_copy(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (PyErr_Occurred()) return nullptr;
   if (!THPVariable_Check(args[0])) return PyLong_FromLong(0);
   const at::Tensor& tensor = THPVariable_Unpack(args[0]);
-  if (!tensor.device().is_cpu() || tensor.layout() != at::kStrided || !tensor.is_contiguous() ||
-      tensor.is_quantized() || tensor.is_neg() || tensor.is_conj())
+  if (!tensor.device().is_cpu() || tensor.layout() != at::kStrided || tensor.is_quantized() || tensor.is_neg() ||
+      tensor.is_conj())
     return PyLong_FromLong(0);
-  keep(tensor);
-  pi0align_queue_copy(tensor.data_ptr(), dest, (int64_t)tensor.nbytes());
+  if (tensor.is_contiguous()) {
+    keep(tensor);
+    pi0align_queue_copy(tensor.data_ptr(), dest, (int64_t)tensor.nbytes());
+  } else {  // a view: its elements gathered in row-major order, by the kernel's element kind
+    const int kind = kind_of_type[(int)tensor.scalar_type()];
+    if (kind < 0 || tensor.dim() > kMaxDims) return PyLong_FromLong(0);
+    int64_t size[kMaxDims], stride[kMaxDims], step[kMaxDims];
+    const int m = memory_order(tensor, size, stride, step);
+    keep(tensor);
+    pi0align_queue_strided_copy(tensor.data_ptr(), kind, m, size, stride, step, dest);
+  }
   return PyLong_FromLongLong(released + (int64_t)kept.size());  // each queued call keeps one tensor
   END_HANDLE_TH_ERRORS
 }

@@ -141,6 +141,19 @@ void gather(const void* data, const int64_t* offsets, int64_t n, double* out) {
   for (int64_t j = 0; j < n; ++j) out[j] = K::value(x[offsets[j]]);
 }
 
+// The elements of a strided tensor, read as `walk` visits them, written to `dest` at their
+// row-major positions: tensor mode's copy of a view.
+template <class K>
+void copy_elements(const void* data, int ndim, const int64_t* size, const int64_t* stride, const int64_t* step,
+                   void* dest) {
+  using Raw = typename K::Raw;
+  Raw* out = static_cast<Raw*>(dest);
+  const int64_t row_step = step[ndim - 1];
+  walk<K>(static_cast<const Raw*>(data), ndim, size, stride, step, [&](const Raw* r, int64_t n, int64_t s, int64_t first) {
+    for (int64_t j = 0; j < n; ++j) out[first + j * row_step] = r[j * s];
+  });
+}
+
 using Reduce = void (*)(const void*, int, const int64_t*, const int64_t*, const int64_t*, double*, int64_t*);
 const Reduce KINDS[] = {reduce<Bool>, reduce<U8>, reduce<I8>, reduce<I16>, reduce<BF16>, reduce<F16>,
                         reduce<I32>, reduce<F32>, reduce<I64>, reduce<F64>};
@@ -149,8 +162,14 @@ using Gather = void (*)(const void*, const int64_t*, int64_t, double*);
 const Gather GATHERS[] = {gather<Bool>, gather<U8>, gather<I8>, gather<I16>, gather<BF16>, gather<F16>,
                           gather<I32>, gather<F32>, gather<I64>, gather<F64>};
 
+using Copy = void (*)(const void*, int, const int64_t*, const int64_t*, const int64_t*, void*);
+const Copy COPIES[] = {copy_elements<Bool>, copy_elements<U8>, copy_elements<I8>, copy_elements<I16>,
+                       copy_elements<BF16>, copy_elements<F16>, copy_elements<I32>, copy_elements<F32>,
+                       copy_elements<I64>, copy_elements<F64>};
+
 // A queued statistics job (offsets == nullptr), gather job, or copy job (dest: n bytes of data
-// copied there); sizes copied, the caller's arrays may go as soon as it is queued.
+// copied there when ndim is 0, else the strided elements); sizes copied, the caller's arrays may
+// go as soon as it is queued.
 struct Job {
   const void* data; int kind, ndim;
   int64_t size[16], stride[16], step[16];
@@ -161,7 +180,8 @@ struct Job {
 };
 
 void execute(const Job& job) {
-  if (job.dest != nullptr) std::memcpy(job.dest, job.data, job.n);
+  if (job.dest != nullptr && job.ndim == 0) std::memcpy(job.dest, job.data, job.n);
+  else if (job.dest != nullptr) COPIES[job.kind](job.data, job.ndim, job.size, job.stride, job.step, job.dest);
   else if (job.offsets == nullptr) KINDS[job.kind](job.data, job.ndim, job.size, job.stride, job.step, job.out_f, job.out_i);
   else GATHERS[job.kind](job.data, job.offsets, job.n, job.out_f);
 }
@@ -276,6 +296,13 @@ extern "C" void pi0align_queue_gather(const void* data, int kind, const int64_t*
 
 extern "C" void pi0align_queue_copy(const void* data, void* dest, int64_t nbytes) {
   Job job{data, 0, 0, {}, {}, {}, nullptr, nullptr, nullptr, nbytes, nbytes / 4, dest};  // a copy costs as a read
+  queue().push(job);
+}
+
+extern "C" void pi0align_queue_strided_copy(const void* data, int kind, int ndim, const int64_t* size,
+                                             const int64_t* stride, const int64_t* step, void* dest) {
+  Job job = job_of(data, kind, ndim, size, stride, step);
+  job.dest = dest;
   queue().push(job);
 }
 

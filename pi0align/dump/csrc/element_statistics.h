@@ -21,6 +21,8 @@ void pi0align_queue_stats(const void* data, int kind, int ndim, const int64_t* s
 void pi0align_queue_dense_stats(const void* data, int kind, int64_t numel, double* floats, int64_t* ints);
 void pi0align_queue_gather(const void* data, int kind, const int64_t* offsets, int64_t n, double* out);
 void pi0align_queue_copy(const void* data, void* dest, int64_t nbytes);
+void pi0align_queue_strided_copy(const void* data, int kind, int ndim, const int64_t* size, const int64_t* stride,
+                                 const int64_t* step, void* dest);
 void pi0align_wait();
 void pi0align_finished(int64_t* out);
 }
