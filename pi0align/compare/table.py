@@ -12,6 +12,7 @@ named in `nullable_ints` (they become pandas `Int64` and are written as integers
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -247,7 +248,7 @@ def _positions(sorted_distinct: np.ndarray, values: np.ndarray) -> tuple[np.ndar
         return np.zeros(len(values), np.int64), np.zeros(len(values), bool)
     if sorted_distinct.dtype == object or values.dtype == object:
         index = {value: code for code, value in enumerate(sorted_distinct.tolist())}
-        found = np.fromiter((index.get(value, -1) for value in values.tolist()), np.int64, len(values))
+        found = np.fromiter(map(index.get, values.tolist(), repeat(-1)), np.int64, len(values))
         return np.maximum(found, 0), found >= 0
     at = np.minimum(np.searchsorted(sorted_distinct, values), len(sorted_distinct) - 1)
     there = sorted_distinct[at]
