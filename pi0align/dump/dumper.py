@@ -195,7 +195,7 @@ class Dumper:
                 }
                 manifest = {**(self._manifest or {}), "perturb_ulps": self.perturb_ulps}
                 dump_file.create(self.file, attrs,
-                                   build_manifest(self._model, self._rank, self._world_size, manifest))
+                                 build_manifest(self._model, self._rank, self._world_size, manifest))
                 self._created = True
             # queued copies only where the capture waits for them before an in-place call
             self._writer = DumpWriter(self.file, tensors=self.mode == "tensor", compress=self._compress,

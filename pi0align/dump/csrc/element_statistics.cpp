@@ -149,9 +149,10 @@ void copy_elements(const void* data, int ndim, const int64_t* size, const int64_
   using Raw = typename K::Raw;
   Raw* out = static_cast<Raw*>(dest);
   const int64_t row_step = step[ndim - 1];
-  walk<K>(static_cast<const Raw*>(data), ndim, size, stride, step, [&](const Raw* r, int64_t n, int64_t s, int64_t first) {
-    for (int64_t j = 0; j < n; ++j) out[first + j * row_step] = r[j * s];
-  });
+  walk<K>(static_cast<const Raw*>(data), ndim, size, stride, step,
+          [&](const Raw* r, int64_t n, int64_t s, int64_t first) {
+            for (int64_t j = 0; j < n; ++j) out[first + j * row_step] = r[j * s];
+          });
 }
 
 using Reduce = void (*)(const void*, int, const int64_t*, const int64_t*, const int64_t*, double*, int64_t*);

@@ -1,5 +1,5 @@
-// Statistics and samples of one strided block of elements (element_statistics.cpp): min, max,
-// sum and sum of squares of the finite elements in float64, NaN and Inf counts, and the
+// Statistics, samples and copies of one strided block of elements (element_statistics.cpp): min,
+// max, sum and sum of squares of the finite elements in float64, NaN and Inf counts, and the
 // checksum of docs/dump-format.md, in one read of the memory. Each call runs now, or is queued
 // for one worker thread (`queue_` entry points), which runs the queue in order beside training;
 // `pi0align_wait` returns once it is empty.
