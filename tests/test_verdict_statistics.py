@@ -105,7 +105,7 @@ def test_culprits_are_ranked_where_the_error_starts_unless_a_later_one_is_clearl
                    "seq_a": np.array([3, 7, 9, 1])})
     judgement = Judgement(culprit=np.ones(4, bool), evidence=np.full(4, "intrinsic", object),
                           wrong_side=np.full(4, "", object), blame=np.array([2.6, 5.0, 30.0, 900.0]),
-                          within=np.full(4, "", object))
+                          within=np.full(4, "", object), enclosing=np.full(4, -1))
     assert list(culprit_order(calls, judgement)) == [2, 0, 1, 3]
 
 

@@ -26,7 +26,7 @@ from pi0align.compare.judging.identity import (
     requires_grad,
 )
 from pi0align.compare.judging.judge import Judgement, Position, downstream
-from pi0align.compare.judging.modules import containing, enclosing_modules
+from pi0align.compare.judging.modules import containing
 from pi0align.compare.judging.rootcause import call_directions, elementwise_errors, phases, row_error
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, looser_classes
 from pi0align.compare.reading.records import subjects
@@ -72,7 +72,7 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
     passed or were explained (`explained_states`)."""
     labels = np.where(verdict == "warn", "limits", "").astype(object)
     open_ = (verdict == "fail") & _before_first(rows, calls, judgement, earlier)
-    open_ &= ~rows_of(rows, calls, containing(calls, judgement.culprit))
+    open_ &= ~rows_of(rows, calls, containing(judgement.enclosing, judgement.culprit))
     error, _ = row_error(rows)
     sources = elementwise_errors(rows)  # what each record may carry into a sum it is a term of
     call = calls_of(rows, calls)
@@ -95,7 +95,7 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
     settle(_accumulated_within(rows, identity, producer, error, sources, verdict, fine()), "gradient_sum")
     settle(_clipped_within(rows, error, fine()), "clipping")
     settle(_states_within(rows, fine(), states_before), "producer")
-    settle(_made_inside(rows, calls, call, judgement, producer), "module")
+    settle(_made_inside(rows, call, judgement, producer), "module")
     final = verdict.copy()
     final[(verdict == "fail") & (labels != "") & (labels != "limits")] = "warn"
     return Explanation(verdict=final, explained_by=labels)
@@ -217,8 +217,7 @@ def _states_within(rows: Table, fine: np.ndarray, states_before: Table | None) -
     return states & known & (previous >= 0)
 
 
-def _made_inside(rows: Table, calls: Table, call: np.ndarray, judgement: Judgement,
-                 producer: np.ndarray) -> np.ndarray:
+def _made_inside(rows: Table, call: np.ndarray, judgement: Judgement, producer: np.ndarray) -> np.ndarray:
     """Forward inputs no dumped call produced (calls filtered out or on one side only, ops
     `torch.ops`, extension kernels) read inside modules, where every module around them stayed
     within its bound (judge.py: `inside`)."""
@@ -227,7 +226,7 @@ def _made_inside(rows: Table, calls: Table, call: np.ndarray, judgement: Judgeme
     explained = np.zeros(len(rows), bool)
     if not len(candidates):
         return explained
-    parent = enclosing_modules(calls)
+    parent = judgement.enclosing
     for row in candidates.tolist():
         module, inside = parent[call[row]], False
         while module >= 0 and judgement.within[module] == "inside":

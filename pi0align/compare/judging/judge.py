@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pi0align.compare.judging.bounds import MARGIN, noise_floor, rounding_scale
-from pi0align.compare.judging.modules import innermost, is_module, is_module_api
+from pi0align.compare.judging.modules import enclosing_modules, innermost, is_module, is_module_api
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.table import Groups, Table, isin
 
@@ -86,13 +86,15 @@ class Judgement:
     """Per call (rows of the calls table): culprit or not, by which evidence, which side is wrong
     (replay: "A" or "B"; "" otherwise), the blame to rank culprits by (the local error ratio
     where replayed, the introduced error elsewhere), and for the others why they are within noise
-    (`within`, one of WITHIN: explain.py labels their results with it)."""
+    (`within`, one of WITHIN: explain.py labels their results with it), and the innermost forward
+    module call holding it (`enclosing`: its row, -1 where none; modules.enclosing_modules)."""
 
     culprit: np.ndarray
     evidence: np.ndarray
     wrong_side: np.ndarray
     blame: np.ndarray
     within: np.ndarray
+    enclosing: np.ndarray
 
     def __bool__(self) -> bool:
         return bool(self.culprit.any())
@@ -149,9 +151,10 @@ def judge(calls: Table, fallback: str, exact: bool = False, earlier: Sequence[Po
     # adds (a LayerNorm's output keeps its norm whatever its elements hold, and the calls after it
     # seem to amplify what it hid): there a call judged by statistics is blamed by its bits alone
     by_statistics = (calls["metric"] == "stats_rel_err") & ~replayed & isin(kind, ("call", "gradient"))
-    inherited = by_statistics & after_first(calls, innermost(calls, judged), earlier)
+    enclosing = enclosing_modules(calls)
+    inherited = by_statistics & after_first(calls, innermost(enclosing, judged), earlier)
     judged &= ~inherited | (changed & exact)
-    culprit = innermost(calls, judged | other_arguments)
+    culprit = innermost(enclosing, judged | other_arguments)
     evidence = np.where(other_arguments, "arguments", np.where(by_bits, "exact",
                         np.where(replayed, "replay", fallback))).astype(object)
     wrong = np.where(b_wrong, "B", np.where(a_wrong, "A", "")).astype(object)
@@ -161,7 +164,8 @@ def judge(calls: Table, fallback: str, exact: bool = False, earlier: Sequence[Po
     within = np.select([culprit, replayed, ~sourced, held & ~beyond, beyond & (kind == "call") & ~peers,
                         beyond & update & np.isfinite(calls["step_bound"]), beyond & update],
                        ["", "replay", "unsourced", "inside", "peers", "step", "peers"], "bound").astype(object)
-    return Judgement(culprit=culprit, evidence=evidence, wrong_side=wrong, blame=blame, within=within)
+    return Judgement(culprit=culprit, evidence=evidence, wrong_side=wrong, blame=blame, within=within,
+                     enclosing=enclosing)
 
 
 SAME_NUMERICS = ("device", "device_name", "dtype", "world_size", "numerics", "versions.torch", "versions.torch_npu",

@@ -68,10 +68,9 @@ def holds_calls(calls: Table, parent: np.ndarray) -> np.ndarray:
     return held
 
 
-def containing(calls: Table, members: np.ndarray) -> np.ndarray:
-    """The forward module calls inside which one of `members` ran."""
-    parent = enclosing_modules(calls)
-    found = np.zeros(len(calls), bool)
+def containing(parent: np.ndarray, members: np.ndarray) -> np.ndarray:
+    """The forward module calls inside which one of `members` ran (`parent`: enclosing_modules)."""
+    found = np.zeros(len(parent), bool)
     for i in np.flatnonzero(members).tolist():
         module = parent[i]
         while module >= 0 and not found[module]:
@@ -80,6 +79,7 @@ def containing(calls: Table, members: np.ndarray) -> np.ndarray:
     return found
 
 
-def innermost(calls: Table, selected: np.ndarray) -> np.ndarray:
-    """`selected` without the module calls inside which another selected call ran."""
-    return selected & ~containing(calls, selected)
+def innermost(parent: np.ndarray, selected: np.ndarray) -> np.ndarray:
+    """`selected` without the module calls inside which another selected call ran (`parent`:
+    enclosing_modules)."""
+    return selected & ~containing(parent, selected)
