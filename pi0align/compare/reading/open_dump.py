@@ -61,10 +61,12 @@ def _locate(path: Path) -> tuple[list[Path] | None, Path]:
 
 def _is_hdf5(path: Path) -> bool:
     """Whether `path` is an HDF5 file: the reader then says whether it is one of ours."""
+    if not path.is_file():  # a folder, or a pipe (which opening would wait on)
+        return False
     try:
         with path.open("rb") as file:
             return file.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE
-    except OSError:  # a folder, or unreadable: said when read
+    except OSError:  # unreadable: said when read
         return False
 
 
