@@ -137,6 +137,18 @@ def test_tensor_mode_stores_a_view_s_elements_in_row_major_order_as_they_were(tm
     assert torch.equal(torch.as_tensor(stored), expected)
 
 
+def test_tensor_mode_stores_a_view_of_more_dims_than_the_native_kernel_walks(tmp_path, backend):
+    x = torch.randn([2] * 18, generator=torch.Generator().manual_seed(0)).transpose(0, 17)
+    with Dumper(tmp_path, steps=[0], level="api", mode="tensor", backend=backend) as dumper:
+        dumper.start()
+        torch.neg(x)
+        dumper.step()
+    tables = read_step(tmp_path / "dump.h5", 0)
+    with h5py.File(tmp_path / "dump.h5", "r") as f:
+        stored = f["steps/000000"][tables["records"]["tensor"][find(tables, "/Torch.neg#0", "forward", "input")]][()]
+    assert torch.equal(torch.from_numpy(stored), x)
+
+
 def test_tensor_mode_stores_each_tensor_as_it_was_when_recorded(tmp_path, backend):
     """Tensors changed in place after they were recorded (the native backend copies them for the
     writer on its own thread): each stored tensor holds the values of its record, not later ones;

@@ -374,19 +374,20 @@ PyObject* queue_copy(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   void* dest = PyLong_AsVoidPtr(args[1]);
   if (PyErr_Occurred()) return nullptr;
   if (!THPVariable_Check(args[0])) return PyLong_FromLong(0);
-  const at::Tensor& tensor = THPVariable_Unpack(args[0]);
-  if (!tensor.device().is_cpu() || tensor.layout() != at::kStrided || tensor.is_quantized() || tensor.is_neg() ||
-      tensor.is_conj())
+  const at::Tensor& given = THPVariable_Unpack(args[0]);
+  if (!given.device().is_cpu() || given.layout() != at::kStrided || given.is_quantized() || given.is_neg() ||
+      given.is_conj())
     return PyLong_FromLong(0);
+  // a view is read as kernel_stats reads it, and copied element by element in row-major order
+  int kind = -1;
+  const at::Tensor tensor = given.is_contiguous() ? given : readable(given, &kind);
+  if (!tensor.defined()) return PyLong_FromLong(0);
+  keep(tensor);
   if (tensor.is_contiguous()) {
-    keep(tensor);
     pi0align_queue_copy(tensor.data_ptr(), dest, (int64_t)tensor.nbytes());
-  } else {  // a view: its elements gathered in row-major order, by the kernel's element kind
-    const int kind = kind_of_type[(int)tensor.scalar_type()];
-    if (kind < 0 || tensor.dim() > kMaxDims) return PyLong_FromLong(0);
+  } else {
     int64_t size[kMaxDims], stride[kMaxDims], step[kMaxDims];
     const int m = memory_order(tensor, size, stride, step);
-    keep(tensor);
     pi0align_queue_strided_copy(tensor.data_ptr(), kind, m, size, stride, step, dest);
   }
   return PyLong_FromLongLong(released + (int64_t)kept.size());  // each queued call keeps one tensor
