@@ -70,3 +70,25 @@ def test_table_round_trips_through_pandas():
     assert back.nullable_ints == {"seq_a"} and back["step"].dtype == np.int64
     assert back["name"].tolist() == ["a", "b"] and np.isnan(back["seq_a"][1])
     assert len(table.take(np.array([True, False]))) == 1 and table.select(["name"]).columns == ["name"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(length=st.integers(0, 12), data=st.data())
+def test_rows_taken_when_read_and_rows_between_are_the_rows_take_gives(length, data):
+    table = Table({"step": np.arange(length), "value": np.linspace(0.0, 1.0, length),
+                   "name": np.array([f"call{i % 3}" for i in range(length)], dtype=object)})
+    picks = [np.array(data.draw(st.lists(st.booleans(), min_size=length, max_size=length)), bool),
+             np.array(data.draw(st.lists(st.integers(0, max(length - 1, 0)), max_size=length if length else 0)),
+                      np.int64)]
+    for rows in picks:
+        taken, lazily = table.take(rows), table.taken_when_read(rows)
+        assert len(lazily) == len(taken) and lazily.columns == taken.columns and "value" in lazily
+        read_first = lazily["name"]  # one column read before the others: the rest still to take
+        assert read_first.tolist() == taken["name"].tolist()
+        for name in taken.columns:
+            assert lazily[name].tolist() == taken[name].tolist()
+        assert lazily.take(np.arange(len(lazily)))["step"].tolist() == taken["step"].tolist()
+    start = data.draw(st.integers(0, length))
+    stop = data.draw(st.integers(start, length))
+    between = table.between(start, stop)
+    assert len(between) == stop - start and between["name"].tolist() == table["name"][start:stop].tolist()

@@ -51,6 +51,9 @@ PAIRED = ("matched", "realigned", "shape_mismatch", "dtype_mismatch")  # a recor
 # Two runs of one training pair nearly all of the smaller dump's records (one dumped at level api
 # against one at mix: all of them); half leaves room for the calls one device fuses or splits.
 MIN_PAIRED_SHARE = 0.5
+# What judging reads of a dump's records (the steps it holds, a call's stack); the rest is measured
+# before it, and let go (engine.py).
+STACK_LOOKUP_COLUMNS = ("step", "seq", "call")
 
 
 class Conclusion:
@@ -223,8 +226,9 @@ class Conclusion:
         rows = rows.select(ROW_COLUMNS)
         order = np.lexsort((rows["seq_b"], rows["seq_a"], rows["step"], rows["rank"]))  # NaN (no record) last
         rows = rows.take(order)
-        for rank in np.unique(rows["rank"]).tolist():
-            self.rows.append(rows.take(rows["rank"] == rank), (rank, self.windows))
+        ranks, starts = np.unique(rows["rank"], return_index=True)
+        for rank, start, stop in zip(ranks.tolist(), starts.tolist(), [*starts[1:].tolist(), len(rows)]):
+            self.rows.append(rows.between(start, stop), (rank, self.windows))
 
     def _check_steps_held(self) -> None:
         for source, held in zip((self.source_a, self.source_b), self.steps_held):
@@ -249,11 +253,14 @@ class Conclusion:
 
 
 def _stack_lookup(dump: Dump) -> Callable[[int, int], list[str]]:
-    """(step, seq) -> user frames of the call, for the culprit report; made when asked (few are)."""
-    records = dump.records
-    call_of = dict(zip(zip(records["step"].tolist(), records["seq"].tolist()), records["call"].tolist()))
+    """(step, seq) -> user frames of the call, for the culprit report (a few calls: the index of
+    the dump's records is made at the first)."""
+    records = dump.records.select(STACK_LOOKUP_COLUMNS)
+    call_of: dict[tuple[int, int], int] = {}
 
     def stack(step: int, seq: int) -> list[str]:
+        if not call_of:
+            call_of.update(zip(zip(records["step"].tolist(), records["seq"].tolist()), records["call"].tolist()))
         call = call_of.get((step, seq))
         return [] if call is None else user_frames(dump.stacks.get((step, call), []))
 

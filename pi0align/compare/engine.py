@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pi0align.compare.conclusion import Conclusion
+from pi0align.compare.conclusion import STACK_LOOKUP_COLUMNS, Conclusion
 from pi0align.compare.judging.reference import check_reference
 from pi0align.compare.judging.thresholds import load_thresholds
 from pi0align.compare.judging.verdict import JUDGED_PAIRINGS
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 Progress = Callable[[int, int], None]
 # Records judged at once (a window of steps, conclusion.py): a window's rows and their stages take
-# about 3 KB a record at their peak, so about 300 MB; the dumps' other steps wait on disk.
+# about 1.5 KB a record at their peak, so about 150 MB; the dumps' other steps wait on disk.
 ROWS_PER_WINDOW = 100_000
 
 
@@ -106,6 +106,8 @@ def _compare(path_a: str | Path, path_b: str | Path, thresholds: dict, steps: It
                 tracker.total = tracker.done + work * (len(windows) - index)  # the windows left taken alike
                 parts = _compare_pairs(pairs, set(window), tracker, pool)
                 reference = Table.concat([p[0] for p in parts[len(runs_a):]]) if noise is not None else None
+                for runs in opened:
+                    _keep_judged_columns(runs)
                 conclusion.add(parts[:len(runs_a)], runs_a, runs_b, reference)
             finally:
                 for runs in opened:
@@ -164,6 +166,13 @@ def _windows(path_a: str | Path, held_a: dict[int, dict[int, int | None]], steps
 def _listed(steps: set[int]) -> str:
     ordered = sorted(steps)
     return ", ".join(map(str, ordered[:5])) + (f", ... ({len(ordered)} in all)" if len(ordered) > 5 else "")
+
+
+def _keep_judged_columns(runs: dict[int, Dump]) -> None:
+    """Once measured, a dump's records keep only what judging reads of them: after a window's
+    rows, they are its largest tables."""
+    for dump in runs.values():
+        dump.records = dump.records.select(STACK_LOOKUP_COLUMNS)
 
 
 def _close(runs: dict[int, Dump]) -> None:

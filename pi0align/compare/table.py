@@ -60,18 +60,31 @@ class Table:
         """The rows at these positions, or where this mask is true."""
         rows = np.asarray(rows)
         length = int(rows.sum()) if rows.dtype == bool else len(rows)
-        return Table({name: values[rows] for name, values in self._columns.items()}, length=length,
+        return Table({name: self[name][rows] for name in self.columns}, length=length,
                      nullable_ints=self.nullable_ints)
+
+    def between(self, start: int, stop: int) -> Table:
+        """Rows start to stop (exclusive), their columns views of this table's."""
+        return Table({name: self[name][start:stop] for name in self.columns}, length=stop - start,
+                     nullable_ints=self.nullable_ints)
+
+    def taken_when_read(self, rows: np.ndarray) -> Table:
+        """`take(rows)`, each column taken when first read (TakenRows): for a table read through a
+        few of its columns. This table's columns must not change while it is read."""
+        return TakenRows(self, np.asarray(rows))
 
     def select(self, names: Sequence[str]) -> Table:
         """These columns, in this order."""
-        return Table({name: self._columns[name] for name in names}, length=len(self),
+        return Table({name: self[name] for name in names}, length=len(self),
                      nullable_ints=self.nullable_ints & set(names))
 
     @staticmethod
     def concat(tables: Sequence[Table]) -> Table:
-        """Rows of every table, in order; the columns of the first."""
+        """Rows of every table, in order; the columns of the first. One table is returned itself,
+        not copied: a window's rows are its largest table."""
         first = tables[0]
+        if len(tables) == 1:
+            return first
         return Table({name: np.concatenate([t[name] for t in tables]) for name in first.columns},
                      length=sum(len(t) for t in tables), nullable_ints=first.nullable_ints)
 
@@ -80,7 +93,8 @@ class Table:
         import pandas as pd
 
         columns = {}
-        for name, values in self._columns.items():
+        for name in self.columns:
+            values = self[name]
             if name in self.nullable_ints:
                 missing = np.isnan(values)
                 values = pd.arrays.IntegerArray(np.where(missing, 0, values).astype(np.int64), missing)
@@ -110,6 +124,28 @@ class Table:
                 values = column.to_numpy(object, na_value="")
             columns[str(name)] = values
         return cls(columns, length=len(frame), nullable_ints=nullable)
+
+
+class TakenRows(Table):
+    """Rows of a table at some positions (`Table.taken_when_read`), each column copied from it
+    when first read: the call table reads fewer than half of a window's row columns."""
+
+    def __init__(self, source: Table, rows: np.ndarray) -> None:
+        super().__init__(length=int(rows.sum()) if rows.dtype == bool else len(rows),
+                         nullable_ints=source.nullable_ints)
+        self._source, self._rows = source, rows
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._columns or name in self._source
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._columns:
+            self._columns[name] = self._source[name][self._rows]
+        return self._columns[name]
+
+    @property
+    def columns(self) -> list[str]:
+        return [*self._source.columns, *(name for name in self._columns if name not in self._source)]
 
 
 def isin(values: np.ndarray, choices: Iterable[Any]) -> np.ndarray:

@@ -106,7 +106,7 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     sources = np.where(rounding, np.nan, elementwise_errors(rows))  # rounding noise enters no call
     error_rows[rounding] = np.nan  # noise that no call made: it neither enters nor leaves a call
     use = np.flatnonzero(judged_records(verdict, rows))
-    judged = rows.take(use)
+    judged = rows.taken_when_read(use)  # about 20 of the rows' 50 columns are read
     error, metric, fail = error_rows[use], metric_rows[use], failing_rows[use]
     direction = call_directions(judged)
     is_in = isin(judged["role"], INPUT_ROLES)
