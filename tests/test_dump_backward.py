@@ -1,7 +1,8 @@
 """The two dump backends' hooks and records (native: csrc/capture_extension.cpp; torch: backward.py
 and torch_backend.py) record exactly the same, on the awkward cases: an input passed twice, one
 node with several outputs, views, an in-place call on a tensor that requires grad, a leaf input, a
-composite call of many autograd nodes, module inputs and outputs."""
+composite call of many autograd nodes, module inputs and outputs, calls that write an argument by
+keyword (`out=`, `inplace=True`: the native backend's C++ handler hands them to Python)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,11 @@ class Awkward(torch.nn.Module):
         mixed.add_(1.0)  # in place on a tensor that requires grad
         scaled = mixed * self.scale  # a leaf input
         attended, _ = self.attention(h[None], h[None], h[None])
-        return scaled.tanh().sum() + attended.square().mean()
+        total = torch.zeros(6)
+        for shift in (0.1, 0.2):  # an API's second call in a step runs on the plan its first made
+            gate = torch.nn.functional.relu(h.detach() - shift, inplace=True)
+            torch.sum(gate, dim=0, out=total)
+        return scaled.tanh().sum() + attended.square().mean() + total.mean()
 
 
 def dump_awkward(folder, level: str, mode: str = "stats", backend: str = "native") -> dict:
@@ -80,6 +85,8 @@ def test_both_backends_record_the_same(tmp_path, level, mode):
     assert {("net/Tensor.mul#0", "grad_input", 0), ("net/Tensor.mul#0", "grad_input", 1)} <= roles
     assert {("net/Tensor.chunk#0", "grad_output", 0), ("net/Tensor.chunk#0", "grad_output", 1)} <= roles
     assert {("net/Tensor.mul#1", "grad_input", 1), ("net/Tensor.add_#0", "grad_input", 0)} <= roles
+    written = {(calls["name"][c], r) for c, r in zip(records["call_id"], records["role"])}
+    assert {("net/Functional.relu#1", "input"), ("net/Torch.sum#1", "input"), ("net/Torch.sum#1", "output")} <= written
     # the composite reports its output gradients only
     attention = {(r, a) for n, r, a in roles if n.endswith("Functional.multi_head_attention_forward#0")}
     assert ("grad_output", 0) in attention and not any(r == "grad_input" for r, _ in attention)

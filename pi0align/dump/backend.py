@@ -67,6 +67,12 @@ class Backend(Protocol):
     # queue(tensor, address) -> the queued call to wait for, 0 when not taken (copied at once
     # instead); finished() -> queued calls run so far; wait(): until all have run.
     copier: object | None
+    # The capture mode's __torch_function__ for the calls it has a plan for, or None: the mode's
+    # Python one handles every call. api_handler(mode, capture, plans, python, filtered) -> the
+    # handler; plans: func -> its API's name (recorded), None (run only) or False (`python`'s);
+    # python(func, types, args, kwargs) handles the rest and adds plans; filtered: names are
+    # asked of the capture's filter.
+    api_handler: object | None
 
     def tensors_of(self, *values) -> list[torch.Tensor]:
         """Every tensor in `values`, depth-first through tuples, lists and mappings."""

@@ -59,6 +59,7 @@ class Capture:
         self._watch_tensor_grads = backend.watch_tensor_grads
         self._tensors_of = backend.tensors_of
         self._describe_arguments, self._call_site = backend.describe_arguments, backend.call_site
+        self._api_handler = backend.api_handler
 
     @property
     def installed(self) -> bool:
@@ -81,7 +82,7 @@ class Capture:
                 self._handles.append(param.register_post_accumulate_grad_hook(hook))
         if self.level != "module":
             self._patch_npu()
-            self._mode = _ApiMode(self)
+            self._mode = _ApiMode(self, self._api_handler)
             self._mode.__enter__()
             self._patch_backward()
 
@@ -349,11 +350,37 @@ class Capture:
 
 class _ApiMode(TorchFunctionMode):
     """Sees every torch function, Tensor method and operator call; torch pops the mode while a
-    call runs, so calls made inside a captured call are not captured again."""
+    call runs, so calls made inside a captured call are not captured again.
 
-    def __init__(self, capture: Capture) -> None:
+    With the backend's `api_handler`, that handler is the mode's `__torch_function__` (the
+    instance's, in C++): it runs and records a call as `Capture.api_call` does where it has the
+    function's plan (`_plan`), and hands every other call to `_planned`, which makes the plan and
+    handles the call here."""
+
+    def __init__(self, capture: Capture, api_handler=None) -> None:
         super().__init__()
         self.capture = capture
+        if api_handler is not None:
+            self.plans: dict = {}
+            filtered = bool(capture.selected.include or capture.selected.exclude)
+            self.__torch_function__ = api_handler(self, capture, self.plans, self._planned, filtered)
+
+    def _planned(self, func, types, args=(), kwargs=None):
+        """The native handler's call for a function it has no plan for, or whose plan is False."""
+        try:
+            self.plans.setdefault(func, self._plan(func))
+        except TypeError:  # an unhashable function: handled here each time
+            pass
+        return _ApiMode.__torch_function__(self, func, types, args, kwargs)
+
+    def _plan(self, func) -> str | bool | None:
+        """The API's name where the native handler records the call, None where it only runs it
+        (not recorded), False where it hands it to Python (backward, a call that writes its
+        arguments)."""
+        api = self.capture.api_names(func)
+        if api is None:
+            return None
+        return False if self.capture.is_backward(func) or is_inplace(api, {}) else api
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

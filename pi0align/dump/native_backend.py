@@ -1,8 +1,10 @@
-"""The native dump backend: `csrc/capture_extension.cpp`, `csrc/call_description.cpp` and
-`csrc/element_statistics.cpp`, built into one torch extension on first use (pi0align/native.py).
+"""The native dump backend: `csrc/capture_extension.cpp`, `csrc/api_calls.cpp`,
+`csrc/call_description.cpp` and `csrc/element_statistics.cpp`, built into one torch extension on
+first use (pi0align/native.py).
 
-Its autograd hooks, argument flattening, call sites, arguments' JSON and step records run in C++;
-CPU tensors' statistics and samples are read in one pass by the kernel's own thread while training
+Its handler of a step's API calls (of the common call, which writes none of its arguments),
+autograd hooks, argument flattening, call sites, arguments' JSON and step records run in C++; CPU
+tensors' statistics and samples are read in one pass by the kernel's own thread while training
 goes on, and tensor mode's copies for the writer are made there too (queued tensors are kept alive
 there, and waited for before an in-place call could change them). Tensors the kernel does not take
 (accelerator tensors, unusual dtypes) get the torch backend's batched statistics (stats.py).
@@ -24,7 +26,7 @@ from pi0align.dump.steplog import dtype_name, object_column
 from pi0align.native import FLAGS, Extension
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("capture_extension.cpp", "call_description.cpp", "element_statistics.cpp")]
+            for name in ("capture_extension.cpp", "api_calls.cpp", "call_description.cpp", "element_statistics.cpp")]
 # dtype -> the kernel's element kind (element_statistics.h)
 KINDS = {torch.bool: 0, torch.uint8: 1, torch.int8: 2, torch.int16: 3, torch.bfloat16: 4, torch.float16: 5,
          torch.int32: 6, torch.float32: 7, torch.int64: 8, torch.float64: 9}
@@ -45,6 +47,7 @@ class NativeBackend:
         self.watch = module.watch
         self.watch_tensor_grads = module.watch_tensor_grads
         self.describe_arguments, self.call_site = module.describe_arguments, module.call_site
+        self.api_handler = module.api_handler
 
     @staticmethod
     @functools.cache

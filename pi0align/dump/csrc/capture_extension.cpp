@@ -7,7 +7,8 @@
 //   their statistics by element_statistics.cpp (queued on its thread) or, for tensors it does not
 //   take, by the Python callback it is given;
 // - stats / gather / wait: the kernel's entry points taking the tensor itself;
-// - describe_arguments / call_site: what a forward call's row says of it (call_description.cpp).
+// - describe_arguments / call_site: what a forward call's row says of it (call_description.cpp);
+// - api_handler: the capture's __torch_function__, which records a call with them (api_calls.cpp).
 #include <Python.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/Exceptions.h>
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "call_description.h"
+#include "capture_extension.h"
 #include "element_statistics.h"
 
 namespace {
@@ -143,6 +145,10 @@ void free_edges(PyObject* capsule) {
   delete static_cast<InputEdges*>(PyCapsule_GetPointer(capsule, "pi0align.input_edges"));
 }
 
+}  // namespace
+
+namespace pi0align {
+
 // input_edges(tensors) -> opaque edges, or None when no tensor requires grad
 PyObject* input_edges(PyObject*, PyObject* tensors) {
   HANDLE_TH_ERRORS
@@ -172,6 +178,9 @@ PyObject* input_edges(PyObject*, PyObject* tensors) {
   return capsule;
   END_HANDLE_TH_ERRORS
 }
+}  // namespace pi0align
+
+namespace {
 
 struct Watched { NodeRef node; std::vector<Slot> outs, ins; };
 
@@ -179,6 +188,10 @@ Watched& watched_entry(std::vector<Watched>& watched, const NodeRef& node) {
   for (Watched& w : watched) if (w.node == node) return w;
   return watched.emplace_back(Watched{node, {}, {}});
 }
+
+}  // namespace
+
+namespace pi0align {
 
 // watch(outputs, edges, sink): hooks the nodes that produced `outputs` and, walking back from
 // them, the nodes whose gradients flow to the inputs' edges, as backward.watch does.
@@ -240,6 +253,9 @@ PyObject* watch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
+}  // namespace pi0align
+
+namespace {
 
 
 // ---- the statistics kernel's entry points, taking tensors -------------------------------------
@@ -623,6 +639,10 @@ PyObject* new_recorder(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return capsule;
 }
 
+}  // namespace
+
+namespace pi0align {
+
 // record(recorder, call_id, name, role, arg_index, tensors): one record per tensor of the list, the
 // first at arg_index; returns the row of the last
 PyObject* record_tensors(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -644,6 +664,9 @@ PyObject* record_tensors(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return ok ? PyLong_FromSsize_t((Py_ssize_t)r->call_id.size() - 1) : nullptr;
   END_HANDLE_TH_ERRORS
 }
+}  // namespace pi0align
+
+namespace {
 
 // set_call(recorder, row, call_id): a record's call, given later (-1: dropped)
 PyObject* set_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -748,6 +771,10 @@ void deliver(BackwardCall& call, PyObject* role, long arg, const at::TensorBase&
   if (!ok) throw python_error();
 }
 
+}  // namespace
+
+namespace pi0align {
+
 // backward_call(recorder, name, opener, forward_id) -> the sink of one forward call's gradients,
 // for watch and watch_tensor_grads
 PyObject* new_backward_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -758,6 +785,9 @@ PyObject* new_backward_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
   if (capsule == nullptr) delete call;
   return capsule;
 }
+}  // namespace pi0align
+
+namespace {
 
 // close(recorder): the step has ended
 PyObject* close_recorder(PyObject*, PyObject* capsule) {
@@ -794,6 +824,10 @@ bool flatten_into(PyObject* value, PyObject* out) {
   return ok;
 }
 
+}  // namespace
+
+namespace pi0align {
+
 // tensors_of(*values) -> the tensors in them, in order
 PyObject* tensors_of(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* out = PyList_New(0);
@@ -801,13 +835,16 @@ PyObject* tensors_of(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!flatten_into(args[i], out)) Py_CLEAR(out);
   return out;
 }
+}  // namespace pi0align
+
+namespace {
 
 PyMethodDef methods[] = {
-    {"backward_call", (PyCFunction)(void (*)(void))new_backward_call, METH_FASTCALL, "a call's gradient sink"},
+    {"backward_call", (PyCFunction)(void (*)(void))pi0align::new_backward_call, METH_FASTCALL, "a call's gradient sink"},
     {"close", close_recorder, METH_O, "the step has ended"},
     {"describe_records", (PyCFunction)(void (*)(void))describe_records, METH_FASTCALL, "types and dtype names"},
     {"recorder", (PyCFunction)(void (*)(void))new_recorder, METH_FASTCALL, "a step's records"},
-    {"record", (PyCFunction)(void (*)(void))record_tensors, METH_FASTCALL, "records of tensors"},
+    {"record", (PyCFunction)(void (*)(void))pi0align::record_tensors, METH_FASTCALL, "records of tensors"},
     {"set_call", (PyCFunction)(void (*)(void))set_call, METH_FASTCALL, "a record's call, given later"},
     {"columns", columns, METH_O, "the records' columns"},
     {"statistics", statistics, METH_O, "the records' statistics"},
@@ -820,12 +857,14 @@ PyMethodDef methods[] = {
     {"held", held, METH_NOARGS, "how many queued tensors are kept alive"},
     {"forget", forget_queue, METH_NOARGS, "after fork, in the child"},
     {"watch_tensor_grads", (PyCFunction)(void (*)(void))watch_tensor_grads, METH_FASTCALL, "hook tensors' gradients"},
-    {"input_edges", input_edges, METH_O, "the gradient edges of the tensors that require grad"},
-    {"watch", (PyCFunction)(void (*)(void))watch, METH_FASTCALL, "hook the nodes of a call's outputs"},
-    {"tensors_of", (PyCFunction)(void (*)(void))tensors_of, METH_FASTCALL, "the tensors in the values"},
+    {"input_edges", pi0align::input_edges, METH_O, "the gradient edges of the tensors that require grad"},
+    {"watch", (PyCFunction)(void (*)(void))pi0align::watch, METH_FASTCALL, "hook the nodes of a call's outputs"},
+    {"tensors_of", (PyCFunction)(void (*)(void))pi0align::tensors_of, METH_FASTCALL, "the tensors in the values"},
     {"describe_arguments", (PyCFunction)(void (*)(void))pi0align::describe_arguments, METH_FASTCALL,
      "a call's arguments as JSON"},
     {"call_site", (PyCFunction)(void (*)(void))pi0align::call_site, METH_FASTCALL, "a call site's stack id"},
+    {"api_handler", (PyCFunction)(void (*)(void))pi0align::api_handler, METH_FASTCALL,
+     "a capture mode's __torch_function__"},
     {nullptr, nullptr, 0, nullptr},
 };
 

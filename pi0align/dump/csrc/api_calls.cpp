@@ -1,0 +1,224 @@
+// The native backend's `__torch_function__` (capture.py's _ApiMode): the capture's common call,
+// one that writes none of its arguments, is run and recorded here without a Python frame, as
+// Capture.api_call records it; every other call takes the mode's Python handler, the reference:
+// one with no plan yet (the handler makes it), backward, a call that writes its arguments (by its
+// API, or an `out` or `inplace` keyword), and a call named while the filter has patterns.
+#include <Python.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <memory>
+#include <utility>
+
+#include "call_description.h"
+#include "capture_extension.h"
+
+namespace {
+
+// Interned names: attributes of the Capture, the StepLog and its records, and roles.
+struct Names {
+  PyObject *log, *after_backward, *module_paths, *param_calls, *read_parameters, *name_counts, *stacks,
+      *running, *records, *recorder, *open_call, *open_backward, *selected, *out, *inplace, *forward, *input,
+      *output, *empty, *handler;
+};
+Names names;
+
+bool intern_names() {
+  const std::pair<PyObject**, const char*> all[] = {
+      {&names.log, "log"}, {&names.after_backward, "after_backward"}, {&names.module_paths, "_module_paths"},
+      {&names.param_calls, "_param_calls"}, {&names.read_parameters, "_read_parameters"},
+      {&names.name_counts, "name_counts"}, {&names.stacks, "stacks"}, {&names.running, "_running"},
+      {&names.records, "records"}, {&names.recorder, "_recorder"}, {&names.open_call, "open_call"},
+      {&names.open_backward, "open_backward"}, {&names.selected, "selected"}, {&names.out, "out"},
+      {&names.inplace, "inplace"}, {&names.forward, "forward"}, {&names.input, "input"},
+      {&names.output, "output"}, {&names.empty, ""}, {&names.handler, "_native_handler"}};
+  for (const auto& [slot, text] : all)
+    if (*slot == nullptr && (*slot = PyUnicode_InternFromString(text)) == nullptr) return false;
+  return true;
+}
+
+// What a mode's handler holds (a capsule on the mode: the handler's `self` must be the mode).
+struct Handler {
+  PyObject* capture;  // the Capture
+  PyObject* plans;  // func -> its API's name (recorded here), None (run, not recorded) or False (Python's)
+  PyObject* python;  // python(func, types, args, kwargs): the mode's Python handler, which plans
+  bool filtered;  // the capture's filter has patterns: names go through Python
+  ~Handler() {
+    Py_XDECREF(capture);
+    Py_XDECREF(plans);
+    Py_XDECREF(python);
+  }
+};
+
+void free_handler(PyObject* capsule) {
+  delete static_cast<Handler*>(PyCapsule_GetPointer(capsule, "pi0align.api_handler"));
+}
+
+// A Python object's new reference, released when it goes out of scope.
+struct Owned {
+  PyObject* object;
+  Owned() : object(nullptr) {}
+  explicit Owned(PyObject* o) : object(o) {}
+  Owned(Owned&& other) noexcept : object(other.object) { other.object = nullptr; }
+  Owned(const Owned&) = delete;
+  ~Owned() { Py_XDECREF(object); }
+  PyObject* get() const { return object; }
+  explicit operator bool() const { return object != nullptr; }
+};
+
+PyObject* run(PyObject* func, PyObject* args, PyObject* kwargs) { return PyObject_Call(func, args, kwargs); }
+
+// Capture._open: the call named (next_name) and its row opened; its (call id, name), or a null id
+// (no error set) when the filter leaves it out, or with a Python error set.
+std::pair<Owned, Owned> open_call(const Handler& h, PyObject* log, PyObject* module, PyObject* api,
+                                  PyObject* args, PyObject* kwargs) {
+  Owned param_calls(PyObject_GetAttr(h.capture, names.param_calls));
+  if (!param_calls) return {};
+  if (param_calls.get() == Py_None) {
+    Owned read(PyObject_CallMethodNoArgs(h.capture, names.read_parameters));
+    if (!read) return {};
+  }
+  Owned counts(PyObject_GetAttr(h.capture, names.name_counts));
+  Owned key(counts ? PyTuple_Pack(3, module, api, names.forward) : nullptr);
+  if (!key) return {};
+  PyObject* known = PyDict_GetItemWithError(counts.get(), key.get());  // borrowed
+  if (known == nullptr && PyErr_Occurred()) return {};
+  Py_ssize_t k = known != nullptr ? PyLong_AsSsize_t(known) : 0;
+  Owned next(PyLong_FromSsize_t(k + 1));
+  if (!next || PyDict_SetItem(counts.get(), key.get(), next.get()) < 0) return {};
+  Owned name(PyUnicode_FromFormat("%U/%U#%zd", module, api, k));
+  if (!name) return {};
+  if (h.filtered) {
+    Owned chosen(PyObject_CallMethodOneArg(h.capture, names.selected, name.get()));
+    int taken = chosen ? PyObject_IsTrue(chosen.get()) : -1;
+    if (taken <= 0) return {};
+  }
+  Owned stacks(PyObject_GetAttr(h.capture, names.stacks));
+  if (!stacks) return {};
+  PyObject* site_args[] = {stacks.get(), module};
+  Owned site(pi0align::call_site(nullptr, site_args, 2));
+  PyObject* described_args[] = {args, kwargs};
+  Owned described(site ? pi0align::describe_arguments(nullptr, described_args, 2) : nullptr);
+  if (!described) return {};
+  PyObject* row[] = {log, name.get(), module, api, names.forward, site.get(), described.get()};
+  Owned call_id(PyObject_VectorcallMethod(names.open_call, row, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
+  if (!call_id) return {};
+  return {Owned(Py_NewRef(call_id.get())), Owned(Py_NewRef(name.get()))};
+}
+
+bool any_requires_grad(PyObject* tensors) {
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tensors); ++i)
+    if (THPVariable_Unpack(PyList_GET_ITEM(tensors, i)).requires_grad()) return true;
+  return false;
+}
+
+// Capture.api_call of a call that writes none of its arguments; a new reference to its result.
+PyObject* record_call(const Handler& h, PyObject* log, PyObject* func, PyObject* api, PyObject* args,
+                      PyObject* kwargs) {
+  Owned paths(PyObject_GetAttr(h.capture, names.module_paths));
+  if (!paths) return nullptr;
+  Py_ssize_t depth = PyList_Size(paths.get());
+  if (depth < 0) return nullptr;
+  PyObject* module = depth ? PyList_GET_ITEM(paths.get(), depth - 1) : names.empty;  // borrowed
+  Py_INCREF(module);
+  Owned module_ref(module);
+  Owned no_kwargs(kwargs == nullptr ? PyDict_New() : nullptr);
+  PyObject* keywords = kwargs != nullptr ? kwargs : no_kwargs.get();
+  if (keywords == nullptr) return nullptr;
+  PyObject* both[] = {args, keywords};
+  Owned inputs(pi0align::tensors_of(nullptr, both, 2));
+  if (!inputs || PyObject_SetAttr(h.capture, names.running, Py_True) < 0) return nullptr;
+  Owned result_ref(run(func, args, kwargs));
+  PyObject* result = result_ref.get();
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);  // the call's error, if any, kept while the flag is reset
+  int reset = PyObject_SetAttr(h.capture, names.running, Py_False);
+  if (type != nullptr) {
+    PyErr_Restore(type, value, traceback);
+    return nullptr;
+  }
+  if (reset < 0 || result == nullptr) return nullptr;
+  Owned outputs(pi0align::tensors_of(nullptr, &result, 1));
+  if (!outputs) return nullptr;
+  if (PyList_GET_SIZE(outputs.get()) == 0) return Py_NewRef(result);  // a query, or an action
+  auto [call_id, name] = open_call(h, log, module, api, args, keywords);
+  if (!call_id) return PyErr_Occurred() ? nullptr : Py_NewRef(result);
+  Owned records(PyObject_GetAttr(log, names.records));
+  Owned recorder(records ? PyObject_GetAttr(records.get(), names.recorder) : nullptr);
+  Owned first(PyLong_FromLong(0));
+  if (!recorder || !first) return nullptr;
+  PyObject* in[] = {recorder.get(), call_id.get(), name.get(), names.input, first.get(), inputs.get()};
+  Owned recorded(pi0align::record_tensors(nullptr, in, 6));
+  if (!recorded) return nullptr;
+  Owned edges(torch::autograd::GradMode::is_enabled() ? pi0align::input_edges(nullptr, inputs.get())
+                                                       : Py_NewRef(Py_None));
+  if (!edges) return nullptr;
+  PyObject* out[] = {recorder.get(), call_id.get(), name.get(), names.output, first.get(), outputs.get()};
+  Owned recorded_out(pi0align::record_tensors(nullptr, out, 6));
+  if (!recorded_out) return nullptr;
+  if (edges.get() != Py_None || any_requires_grad(outputs.get())) {
+    Owned opener(PyObject_GetAttr(log, names.open_backward));
+    if (!opener) return nullptr;
+    PyObject* sink_args[] = {recorder.get(), name.get(), opener.get(), call_id.get()};
+    Owned sink(pi0align::new_backward_call(nullptr, sink_args, 4));
+    if (!sink) return nullptr;
+    PyObject* watch_args[] = {outputs.get(), edges.get(), sink.get()};
+    Owned watched(pi0align::watch(nullptr, watch_args, 3));
+    if (!watched) return nullptr;
+  }
+  return Py_NewRef(result);
+}
+
+// mode.__torch_function__(func, types, args, kwargs=None), the mode being `self`
+PyObject* handle(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs < 3 || nargs > 4) return PyErr_Format(PyExc_TypeError, "__torch_function__(func, types, args, kwargs)");
+  Owned capsule(PyObject_GetAttr(self, names.handler));
+  const Handler* h = capsule ? static_cast<Handler*>(PyCapsule_GetPointer(capsule.get(), "pi0align.api_handler"))
+                             : nullptr;
+  if (h == nullptr) return nullptr;
+  PyObject *func = args[0], *call_args = args[2];
+  PyObject* kwargs = nargs == 4 && args[3] != Py_None ? args[3] : nullptr;
+  PyObject* plan = PyDict_GetItemWithError(h->plans, func);  // borrowed
+  if (plan == nullptr) PyErr_Clear();  // none yet, or unhashable: Python's
+  Owned plan_ref(Py_XNewRef(plan));  // kept while Python code runs
+  bool writes = kwargs != nullptr && (PyDict_GetItemWithError(kwargs, names.out) != nullptr ||
+                                      PyDict_GetItemWithError(kwargs, names.inplace) != nullptr);
+  if (PyErr_Occurred()) return nullptr;
+  if (plan == nullptr || plan == Py_False || writes) return PyObject_Vectorcall(h->python, args, nargs, nullptr);
+  if (plan == Py_None) return run(func, call_args, kwargs);
+  Owned log(PyObject_GetAttr(h->capture, names.log));
+  Owned after(log ? PyObject_GetAttr(h->capture, names.after_backward) : nullptr);
+  int idle = !after ? -1 : log.get() == Py_None ? 1 : PyObject_IsTrue(after.get());
+  if (idle < 0) return nullptr;
+  if (idle) return run(func, call_args, kwargs);
+  return record_call(*h, log.get(), func, plan, call_args, kwargs);
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef handle_method = {"__torch_function__", (PyCFunction)(void (*)(void))handle, METH_FASTCALL,
+                             "the capture's handler of a torch call"};
+
+}  // namespace
+
+namespace pi0align {
+
+// api_handler(mode, capture, plans, python, filtered) -> mode's __torch_function__, to set on it
+PyObject* api_handler(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 5, "api_handler(mode, capture, plans, python, filtered)")) return nullptr;
+  if (!PyDict_Check(args[2])) return PyErr_Format(PyExc_TypeError, "api_handler: plans must be a dict");
+  if (!intern_names()) return nullptr;
+  auto handler = std::make_unique<Handler>();
+  handler->capture = Py_NewRef(args[1]);
+  handler->plans = Py_NewRef(args[2]);
+  handler->python = Py_NewRef(args[3]);
+  handler->filtered = PyObject_IsTrue(args[4]);
+  Owned capsule(PyCapsule_New(handler.get(), "pi0align.api_handler", free_handler));
+  if (!capsule) return nullptr;
+  handler.release();
+  if (PyObject_SetAttr(args[0], names.handler, capsule.get()) < 0) return nullptr;
+  return PyCFunction_New(&handle_method, args[0]);
+}
+
+}  // namespace pi0align
