@@ -4,6 +4,7 @@ statistics and checksums equal to those of the real tensors."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 import h5py
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from pi0align import Dumper
+from pi0align.dump.capture import _ApiMode
 from pi0align.testing import dump_helpers
 from pi0align.testing.dump_helpers import Net, find, manifest, read_step, record_rows, reference_checksum, train_steps
 
@@ -224,7 +226,8 @@ def test_stop_removes_everything_and_steps_not_chosen_install_nothing(tmp_path, 
 
 @pytest.mark.parametrize("close_each_step", [False, True])
 def test_msprobe_style_start_stop_around_each_step(tmp_path, backend, close_each_step):
-    """Also with close() after each step: a later start() appends to the same file."""
+    """Also with close() after each step: a later start() appends to the same file. What each
+    start() installs is gone after its stop()."""
     torch.manual_seed(1)
     net = Net()
     dumper = Dumper(tmp_path, steps=[0, 1], level="api", backend=backend)
@@ -237,6 +240,8 @@ def test_msprobe_style_start_stop_around_each_step(tmp_path, backend, close_each
         if close_each_step:
             dumper.close()
     dumper.close()  # the writer process has written both steps
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, _ApiMode)]  # no step's capture mode outlives it
     for step in (0, 1):
         calls = read_step(tmp_path / "dump.h5", step)["calls"]
         assert calls["name"][:7] == [name for name, _ in OPENING_CALLS] + ["block.proj/Functional.linear#0",

@@ -68,9 +68,9 @@ class Backend(Protocol):
     # instead); finished() -> queued calls run so far; wait(): until all have run.
     copier: object | None
     # The capture mode's __torch_function__ for the calls it has a plan for, or None: the mode's
-    # Python one handles every call. api_handler(mode, capture, plans, python, filtered) -> the
-    # handler; plans: func -> its API's name (recorded), None (run only) or False (`python`'s);
-    # python(func, types, args, kwargs) handles the rest and adds plans; filtered: names are
+    # Python one handles every call. api_handler(mode, capture, plans, filtered) -> the handler;
+    # plans: func -> its API's name (recorded), None (run only) or False (Python's): the rest go
+    # to mode._planned(func, types, args, kwargs), which adds their plans; filtered: names are
     # asked of the capture's filter.
     api_handler: object | None
 

@@ -363,10 +363,11 @@ class _ApiMode(TorchFunctionMode):
         if api_handler is not None:
             self.plans: dict = {}
             filtered = bool(capture.selected.include or capture.selected.exclude)
-            self.__torch_function__ = api_handler(self, capture, self.plans, self._planned, filtered)
+            self.__torch_function__ = api_handler(self, capture, self.plans, filtered)
 
     def _planned(self, func, types, args=(), kwargs=None):
-        """The native handler's call for a function it has no plan for, or whose plan is False."""
+        """The native handler's way for a call of a function it has no plan for, planned False, or
+        given `out=` or `inplace=`."""
         try:
             self.plans.setdefault(func, self._plan(func))
         except TypeError:  # an unhashable function: handled here each time

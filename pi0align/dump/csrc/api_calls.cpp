@@ -20,7 +20,7 @@ namespace {
 struct Names {
   PyObject *log, *after_backward, *module_paths, *param_calls, *read_parameters, *name_counts, *stacks,
       *running, *records, *recorder, *open_call, *open_backward, *selected, *out, *inplace, *forward, *input,
-      *output, *empty, *handler;
+      *output, *empty, *handler, *planned;
 };
 Names names;
 
@@ -32,22 +32,23 @@ bool intern_names() {
       {&names.records, "records"}, {&names.recorder, "_recorder"}, {&names.open_call, "open_call"},
       {&names.open_backward, "open_backward"}, {&names.selected, "selected"}, {&names.out, "out"},
       {&names.inplace, "inplace"}, {&names.forward, "forward"}, {&names.input, "input"},
-      {&names.output, "output"}, {&names.empty, ""}, {&names.handler, "_native_handler"}};
+      {&names.output, "output"}, {&names.empty, ""}, {&names.handler, "_native_handler"},
+      {&names.planned, "_planned"}};
   for (const auto& [slot, text] : all)
     if (*slot == nullptr && (*slot = PyUnicode_InternFromString(text)) == nullptr) return false;
   return true;
 }
 
-// What a mode's handler holds (a capsule on the mode: the handler's `self` must be the mode).
+// What a mode's handler holds, in a capsule on the mode (the handler's `self` must be the mode).
+// Nothing here refers back to the mode: a capsule is not traversed by the garbage collector, so
+// such a cycle would keep every removed mode alive.
 struct Handler {
   PyObject* capture;  // the Capture
   PyObject* plans;  // func -> its API's name (recorded here), None (run, not recorded) or False (Python's)
-  PyObject* python;  // python(func, types, args, kwargs): the mode's Python handler, which plans
   bool filtered;  // the capture's filter has patterns: names go through Python
   ~Handler() {
     Py_XDECREF(capture);
     Py_XDECREF(plans);
-    Py_XDECREF(python);
   }
 };
 
@@ -66,8 +67,6 @@ struct Owned {
   PyObject* get() const { return object; }
   explicit operator bool() const { return object != nullptr; }
 };
-
-PyObject* run(PyObject* func, PyObject* args, PyObject* kwargs) { return PyObject_Call(func, args, kwargs); }
 
 // Capture._open: the call named (next_name) and its row opened; its (call id, name), or a null id
 // (no error set) when the filter leaves it out, or with a Python error set.
@@ -104,7 +103,7 @@ std::pair<Owned, Owned> open_call(const Handler& h, PyObject* log, PyObject* mod
   PyObject* row[] = {log, name.get(), module, api, names.forward, site.get(), described.get()};
   Owned call_id(PyObject_VectorcallMethod(names.open_call, row, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
   if (!call_id) return {};
-  return {Owned(Py_NewRef(call_id.get())), Owned(Py_NewRef(name.get()))};
+  return {std::move(call_id), std::move(name)};
 }
 
 bool any_requires_grad(PyObject* tensors) {
@@ -120,16 +119,15 @@ PyObject* record_call(const Handler& h, PyObject* log, PyObject* func, PyObject*
   if (!paths) return nullptr;
   Py_ssize_t depth = PyList_Size(paths.get());
   if (depth < 0) return nullptr;
-  PyObject* module = depth ? PyList_GET_ITEM(paths.get(), depth - 1) : names.empty;  // borrowed
-  Py_INCREF(module);
-  Owned module_ref(module);
+  Owned module_ref(Py_NewRef(depth ? PyList_GET_ITEM(paths.get(), depth - 1) : names.empty));
+  PyObject* module = module_ref.get();
   Owned no_kwargs(kwargs == nullptr ? PyDict_New() : nullptr);
   PyObject* keywords = kwargs != nullptr ? kwargs : no_kwargs.get();
   if (keywords == nullptr) return nullptr;
   PyObject* both[] = {args, keywords};
   Owned inputs(pi0align::tensors_of(nullptr, both, 2));
   if (!inputs || PyObject_SetAttr(h.capture, names.running, Py_True) < 0) return nullptr;
-  Owned result_ref(run(func, args, kwargs));
+  Owned result_ref(PyObject_Call(func, args, kwargs));
   PyObject* result = result_ref.get();
   PyObject *type, *value, *traceback;
   PyErr_Fetch(&type, &value, &traceback);  // the call's error, if any, kept while the flag is reset
@@ -186,13 +184,16 @@ PyObject* handle(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   bool writes = kwargs != nullptr && (PyDict_GetItemWithError(kwargs, names.out) != nullptr ||
                                       PyDict_GetItemWithError(kwargs, names.inplace) != nullptr);
   if (PyErr_Occurred()) return nullptr;
-  if (plan == nullptr || plan == Py_False || writes) return PyObject_Vectorcall(h->python, args, nargs, nullptr);
-  if (plan == Py_None) return run(func, call_args, kwargs);
+  if (plan == nullptr || plan == Py_False || writes) {  // mode._planned(func, types, args, kwargs)
+    PyObject* planned[] = {self, args[0], args[1], args[2], nargs == 4 ? args[3] : Py_None};
+    return PyObject_VectorcallMethod(names.planned, planned, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+  }
+  if (plan == Py_None) return PyObject_Call(func, call_args, kwargs);
   Owned log(PyObject_GetAttr(h->capture, names.log));
   Owned after(log ? PyObject_GetAttr(h->capture, names.after_backward) : nullptr);
   int idle = !after ? -1 : log.get() == Py_None ? 1 : PyObject_IsTrue(after.get());
   if (idle < 0) return nullptr;
-  if (idle) return run(func, call_args, kwargs);
+  if (idle) return PyObject_Call(func, call_args, kwargs);
   return record_call(*h, log.get(), func, plan, call_args, kwargs);
   END_HANDLE_TH_ERRORS
 }
@@ -204,16 +205,16 @@ PyMethodDef handle_method = {"__torch_function__", (PyCFunction)(void (*)(void))
 
 namespace pi0align {
 
-// api_handler(mode, capture, plans, python, filtered) -> mode's __torch_function__, to set on it
+// api_handler(mode, capture, plans, filtered) -> mode's __torch_function__, to set on it; calls
+// without a plan, or planned False, go to mode._planned(func, types, args, kwargs)
 PyObject* api_handler(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!arity(nargs, 5, "api_handler(mode, capture, plans, python, filtered)")) return nullptr;
+  if (!arity(nargs, 4, "api_handler(mode, capture, plans, filtered)")) return nullptr;
   if (!PyDict_Check(args[2])) return PyErr_Format(PyExc_TypeError, "api_handler: plans must be a dict");
   if (!intern_names()) return nullptr;
   auto handler = std::make_unique<Handler>();
   handler->capture = Py_NewRef(args[1]);
   handler->plans = Py_NewRef(args[2]);
-  handler->python = Py_NewRef(args[3]);
-  handler->filtered = PyObject_IsTrue(args[4]);
+  handler->filtered = PyObject_IsTrue(args[3]);
   Owned capsule(PyCapsule_New(handler.get(), "pi0align.api_handler", free_handler));
   if (!capsule) return nullptr;
   handler.release();

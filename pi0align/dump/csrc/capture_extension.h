@@ -16,6 +16,6 @@ PyObject* input_edges(PyObject*, PyObject* tensors);
 PyObject* watch(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 // backward_call(recorder, name, opener, forward_id) -> a call's gradient sink
 PyObject* new_backward_call(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-// api_handler(mode, capture, plans, python, filtered) -> the mode's __torch_function__
+// api_handler(mode, capture, plans, filtered) -> the mode's __torch_function__
 PyObject* api_handler(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 }  // namespace pi0align
