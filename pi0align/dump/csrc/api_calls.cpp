@@ -1,8 +1,9 @@
 // The native backend's `__torch_function__` (capture.py's _ApiMode): the capture's common call,
 // one that writes none of its arguments, is run and recorded here without a Python frame, as
-// Capture.api_call records it; every other call takes the mode's Python handler, the reference:
-// one with no plan yet (the handler makes it), backward, a call that writes its arguments (by its
-// API, or an `out` or `inplace` keyword), and a call named while the filter has patterns.
+// Capture.api_call records it (where the capture's filter has patterns, each name is asked of it);
+// every other call takes the mode's Python handler, the reference: one with no plan yet (the
+// handler makes it), backward, and a call that writes its arguments (by its API, or an `out` or
+// `inplace` keyword).
 #include <Python.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/grad_mode.h>
