@@ -1,5 +1,6 @@
 """A comparison streams: a tensor dump several times larger than the memory the compare process is
-given (its address space limited with prlimit) is compared to completion, with the right verdict."""
+given (its address space limited with prlimit) is compared to completion, with the right verdict;
+within a step, each record costs a bounded amount."""
 
 from __future__ import annotations
 
