@@ -53,7 +53,7 @@ PAIRED = ("matched", "realigned", "shape_mismatch", "dtype_mismatch")  # a recor
 MIN_PAIRED_SHARE = 0.5
 # What judging reads of a dump's records (the steps it holds, a call's stack); the rest is measured
 # before it, and let go (engine.py).
-STACK_LOOKUP_COLUMNS = ("step", "seq", "call")
+RECORD_COLUMNS_JUDGED = ("step", "seq", "call")
 
 
 class Conclusion:
@@ -255,7 +255,7 @@ class Conclusion:
 def _stack_lookup(dump: Dump) -> Callable[[int, int], list[str]]:
     """(step, seq) -> user frames of the call, for the culprit report (a few calls: the index of
     the dump's records is made at the first)."""
-    records = dump.records.select(STACK_LOOKUP_COLUMNS)
+    records = dump.records.select(RECORD_COLUMNS_JUDGED)
     call_of: dict[tuple[int, int], int] = {}
 
     def stack(step: int, seq: int) -> list[str]:

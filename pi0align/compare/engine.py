@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pi0align.compare.conclusion import STACK_LOOKUP_COLUMNS, Conclusion
+from pi0align.compare.conclusion import RECORD_COLUMNS_JUDGED, Conclusion
 from pi0align.compare.judging.reference import check_reference
 from pi0align.compare.judging.thresholds import load_thresholds
 from pi0align.compare.judging.verdict import JUDGED_PAIRINGS
@@ -172,7 +172,7 @@ def _keep_judged_columns(runs: dict[int, Dump]) -> None:
     """Once measured, a dump's records keep only what judging reads of them: after a window's
     rows, they are its largest tables."""
     for dump in runs.values():
-        dump.records = dump.records.select(STACK_LOOKUP_COLUMNS)
+        dump.records = dump.records.select(RECORD_COLUMNS_JUDGED)
 
 
 def _close(runs: dict[int, Dump]) -> None:
