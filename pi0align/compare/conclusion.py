@@ -255,7 +255,7 @@ class Conclusion:
 def _stack_lookup(dump: Dump) -> Callable[[int, int], list[str]]:
     """(step, seq) -> user frames of the call, for the culprit report (a few calls: the index of
     the dump's records is made at the first)."""
-    records = dump.records.select(RECORD_COLUMNS_JUDGED)
+    records = dump.records
     call_of: dict[tuple[int, int], int] = {}
 
     def stack(step: int, seq: int) -> list[str]:

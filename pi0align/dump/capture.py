@@ -362,8 +362,7 @@ class _ApiMode(TorchFunctionMode):
         self.capture = capture
         if api_handler is not None:
             self.plans: dict = {}
-            filtered = bool(capture.selected.include or capture.selected.exclude)
-            self.__torch_function__ = api_handler(self, capture, self.plans, filtered)
+            self.__torch_function__ = api_handler(self, capture, self.plans, not capture.selected.selects_all)
 
     def _planned(self, func, types, args=(), kwargs=None):
         """The native handler's way for a call of a function it has no plan for, planned False, or

@@ -24,9 +24,14 @@ class Filter:
         self.include = list(include or [])
         self.exclude = list(exclude or [])
 
+    @property
+    def selects_all(self) -> bool:
+        """No patterns: every name is selected (the usual case)."""
+        return not self.include and not self.exclude
+
     def __call__(self, name: str) -> bool:
-        if not self.include and not self.exclude:
-            return True  # the usual case, asked once per call
+        if self.selects_all:
+            return True
         if self.include and not any(fnmatchcase(name, p) for p in self.include):
             return False
         return not any(fnmatchcase(name, p) for p in self.exclude)
