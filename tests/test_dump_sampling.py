@@ -56,12 +56,45 @@ def test_positions_change_with_name_role_argument_and_shape():
 
 
 def test_the_native_gather_samples_what_torch_indexing_samples(tmp_path):
-    """The native kernel's gather on the CPU; torch indexing what an accelerator runs."""
+    """The native kernel's gather on the CPU, by the sampler at a layout's first sight and by the
+    recorder itself at the next; torch indexing what an accelerator runs. Steps 1 and 4 repeat step
+    0's layouts; step 2 changes the batch's shape, step 3 its strides (a transposed view)."""
     require_native()
-    reference, _ = dump(tmp_path / "torch", 1, "torch")
-    dumped, _ = dump(tmp_path / "native", 1, "native")
-    assert np.array_equal(dumped["samples"]["positions"], reference["samples"]["positions"])
-    assert np.array_equal(dumped["samples"]["values"], reference["samples"]["values"], equal_nan=True)
+    generator = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(3, 4, generator=generator), torch.randn(3, 4, generator=generator),
+              torch.randn(5, 4, generator=generator), torch.randn(4, 3, generator=generator).t(),
+              torch.randn(3, 4, generator=generator)]
+    for backend in ("torch", "native"):
+        torch.manual_seed(1)
+        train_steps(Net(), inputs, Dumper(tmp_path / backend, level="mix", mode="sample", sample_size=SIZE,
+                                          backend=backend))
+    for step in range(len(inputs)):
+        reference, dumped = (read_step(tmp_path / backend / "dump.h5", step) for backend in ("torch", "native"))
+        assert np.array_equal(dumped["samples"]["positions"], reference["samples"]["positions"])
+        assert np.array_equal(dumped["samples"]["values"], reference["samples"]["values"], equal_nan=True)
+        assert dumped["records"]["sample_count"] == reference["records"]["sample_count"]
+
+
+def test_the_recorder_s_own_gather_samples_what_the_sampler_does_as_its_table_grows():
+    """Many records a step: the host table grows while the recorder gathers the layouts it knows
+    (the second step: the first step's 300 again, in another order, beside 500 new ones)."""
+    require_native()
+    from pi0align.dump.native_backend import NativeBackend
+    from pi0align.dump.sampling import Sampler
+
+    backend = NativeBackend.load()
+    native, reference = Sampler(SIZE, backend.host_gather, queued=True), Sampler(SIZE)
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(2 + i % 7, 3 + i % 5, generator=generator) for i in range(800)]
+    for names in (range(300), [*range(299, -1, -1), *range(300, 800)]):
+        records = backend.records(True, None, native)
+        rows = [records.record(0, f"t{i}", "input", 0, [tensors[i]]) for i in names]
+        sample_rows = records.columns()["sample_row"][rows]
+        records.statistics()
+        got = native.collect(sample_rows)
+        expected = reference.collect(np.array([reference.add(tensors[i], f"t{i}", "input", 0) for i in names]))
+        for column, want in zip(got, expected):
+            assert np.array_equal(column, want, equal_nan=True)
 
 
 def test_positions_are_int64_only_in_a_step_with_a_tensor_of_2_to_the_31_elements():

@@ -61,7 +61,9 @@ class StepRecords(Protocol):
 class Backend(Protocol):
     name: str
     status: str  # stored in the dump file: what runs, and why not the other where it matters
-    # The sampler's CPU gather (`takes`, `gather`, `wait`), or None: samples taken with torch ops.
+    # The sampler's CPU gather (`takes`, `gather`, `wait`; `sample_cache`, `remember`, `set_host`:
+    # the layouts by which the step's records gather samples without the sampler), or None: samples
+    # taken with torch ops.
     host_gather: object | None
     # Tensor mode's copies into the writer's ring on another thread, or None: made at once.
     # queue(tensor, address) -> the queued call to wait for, 0 when not taken (copied at once

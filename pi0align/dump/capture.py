@@ -34,6 +34,11 @@ class Capture:
         self._mode: _ApiMode | None = None
         self._mode_paused = False  # left by Tensor.backward, entered again at the next forward
         self._backward: tuple | None = None  # (Tensor.backward before, the wrapper in its place)
+        self._backward_wrapper = None  # made once per Tensor.backward it wraps, as plans refer to it
+        # The native API handler's plans (_ApiMode._plan), kept from one install to the next: made
+        # again at each, a step started and stopped around (msprobe's way) would run each function's
+        # first call through Python.
+        self.plans: dict = {}
         self._handles: list = []
         self._wrapped: list[tuple[torch.nn.Module, object]] = []  # (module, its own forward before, or None)
         self._npu_patches: list[tuple[object, str, object]] = []  # (torch_npu, attribute, original)
@@ -110,7 +115,12 @@ class Capture:
         calls in between (clipping, the optimizer) are not recorded, and so need not pass through
         the mode, whose cost they would pay each."""
         original = torch.Tensor.backward
+        if self._backward_wrapper is None or self._backward_wrapper.__wrapped__ is not original:
+            self._backward_wrapper = self._backward_wrapping(original)
+        torch.Tensor.backward = self._backward_wrapper
+        self._backward = (original, self._backward_wrapper)
 
+    def _backward_wrapping(self, original):
         @functools.wraps(original)
         def backward(tensor, *args, **kwargs):
             if self.log is None or torch.overrides._get_current_function_mode() is not self._mode:
@@ -122,8 +132,7 @@ class Capture:
             finally:
                 self.backward_done()
 
-        torch.Tensor.backward = backward
-        self._backward = (original, backward)
+        return backward
 
     def is_backward(self, func) -> bool:
         return func in _BACKWARD or (self._backward is not None and func is self._backward[1])
@@ -361,7 +370,7 @@ class _ApiMode(TorchFunctionMode):
         super().__init__()
         self.capture = capture
         if api_handler is not None:
-            self.plans: dict = {}
+            self.plans = capture.plans
             self.__torch_function__ = api_handler(self, capture, self.plans, not capture.selected.selects_all)
 
     def _planned(self, func, types, args=(), kwargs=None):

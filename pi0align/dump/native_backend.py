@@ -75,7 +75,8 @@ class NativeRecords:
         self._module = module
         self._others = BatchedStatistics(in_place_seen)  # tensors the kernel does not take
         self._recorder = module.recorder(in_place_seen, self._others.add, tensor_sink,
-                                         sampler.add if sampler is not None else None)
+                                         sampler.add if sampler is not None else None,
+                                         sampler.native_cache if sampler is not None else None)
 
     def record(self, call_id: int, name: str, role: str, arg_index: int, tensors: list[torch.Tensor]) -> int:
         return self._module.record(self._recorder, call_id, name, role, arg_index, tensors)
@@ -117,10 +118,13 @@ class NativeRecords:
 
 
 class _HostGather:
-    """Sample mode's gather of CPU tensors straight into a host table, now or on the kernel's thread."""
+    """Sample mode's gather of CPU tensors straight into a host table, now or on the kernel's thread;
+    with a cache of the sampler's layouts, by which the recorder gathers a record whose layout was
+    seen before without asking the sampler."""
 
     def __init__(self, module) -> None:
         self._module = module
+        self.remember, self.set_host = module.remember, module.set_host
 
     @staticmethod
     def takes(tensor: torch.Tensor) -> bool:
@@ -133,6 +137,10 @@ class _HostGather:
 
     def wait(self) -> None:
         self._module.wait()
+
+    def sample_cache(self, position_rows: list, counts: list, queued: bool):
+        """The cache of a sampler whose per-step rows are these lists (appended to, cleared in place)."""
+        return self._module.sample_cache(position_rows, counts, queued)
 
 
 class _QueuedCopies:

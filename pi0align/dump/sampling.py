@@ -15,7 +15,8 @@ class Sampler:
     """Gathers the sampled elements of captured tensors (those the backend's `host_gather` takes
     straight into a host table, others with torch indexing on their device, both without copying
     views); positions and memory offsets are computed once per record name and layout, the
-    positions kept as rows of one table."""
+    positions kept as rows of one table. With the native backend, a record whose layout was seen
+    before is gathered by the recorder itself (`native_cache`), without calling `add`."""
 
     def __init__(self, size: int, host_gather=None, queued: bool = False) -> None:
         self.size = size
@@ -32,6 +33,8 @@ class Sampler:
         self._position_rows: list[int] = []  # per row, its row of the positions table
         self._counts: list[int] = []
         self._wide_rows = 0  # rows of the step whose positions need int64
+        # the recorder's way to the layouts seen so far (it appends to the two lists above), or None
+        self.native_cache = self._host_gather.sample_cache(self._position_rows, self._counts, queued)
 
     def add(self, tensor: torch.Tensor, name: str, role: str, arg_index: int) -> int:
         """Queue the sample of one record; returns its row."""
@@ -46,6 +49,9 @@ class Sampler:
                 self._grow(row + 2)
             # the kernel writes the first `count` values; those past them are NaN'd at `collect`
             self._host_gather.gather(tensor, offsets_at, count, self._host_at + self._row_bytes * row, self.queued)
+            if not wide:  # (the recorder's gather has no int64 rows to count)
+                self._host_gather.remember(self.native_cache, tensor, name, role, arg_index, position_row, count,
+                                           offsets_at)
         else:
             memory = tensor.detach().as_strided((_extent(tensor),), (1,))  # the elements' span, views not copied
             self._on_device[row] = memory.index_select(0, on_device).to(torch.float64)
@@ -75,6 +81,7 @@ class Sampler:
         host = np.full((max(256, needed, 2 * len(self._host)), self.size), np.nan)
         host[: len(self._host)] = self._host
         self._host, self._host_at, self._row_bytes = host, host.ctypes.data, host.strides[0]
+        self._host_gather.set_host(self.native_cache, self._host_at, self._row_bytes, len(host))
 
     def collect(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For queued rows `rows` (-1: none), (values [n, size] NaN-padded, positions [n, size]
@@ -100,7 +107,9 @@ class Sampler:
         positions = self._position_table[position_rows[take]]
         if positions.dtype == np.int64 and not self._wide_rows:
             positions = positions.astype(np.int32)  # int64 only in a step that needs it
-        self._on_device, self._position_rows, self._counts, self._wide_rows = {}, [], [], 0
+        self._on_device, self._wide_rows = {}, 0
+        self._position_rows.clear()  # in place: the recorder's gather appends to these lists
+        self._counts.clear()
         return values, positions, counts
 
 
@@ -112,6 +121,13 @@ class _NoHostGather:
         return False
 
     def wait(self) -> None:
+        pass
+
+    @staticmethod
+    def sample_cache(position_rows: list, counts: list, queued: bool) -> None:
+        return None
+
+    def set_host(self, cache, address: int, row_bytes: int, rows: int) -> None:
         pass
 
 

@@ -7,6 +7,8 @@
 //   their statistics by element_statistics.cpp (queued on its thread) or, for tensors it does not
 //   take, by the Python callback it is given;
 // - stats / gather / wait: the kernel's entry points taking the tensor itself;
+// - sample_cache / remember / set_host: sample mode's layouts seen before, by which record()
+//   gathers a record's sample without calling the Python sampler;
 // - describe_arguments / call_site: what a forward call's row says of it (call_description.cpp);
 // - api_handler: the capture's __torch_function__, which records a call with them (api_calls.cpp).
 #include <Python.h>
@@ -437,6 +439,131 @@ PyObject* forget_queue(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
+// ---- sample mode's layouts, for a record's sample without Python (sampling.py's Sampler) ------
+
+// Where the sampler gathers a record's elements: its layout, found by name, role and argument.
+struct SampleLayout {
+  std::vector<int64_t> shape, strides;
+  const int64_t* offsets;  // memory offsets of the sampled elements, kept alive by the Sampler
+  int64_t count;
+  std::shared_ptr<PyRef> position_row, count_object;  // what the Sampler's lists take for the record
+};
+
+// A Sampler's layouts seen in earlier steps and its host table. A record whose layout is known
+// and whose row fits in the table is gathered here; the rest, and every first sight, go to the
+// Sampler, which tells this cache (remember, set_host).
+struct SampleCache {
+  std::unordered_map<std::string, SampleLayout> layouts;
+  char* host = nullptr;  // the Sampler's float64 table: rows of row_bytes
+  int64_t row_bytes = 0, rows = 0;
+  bool queued = false;
+  PyRef position_rows, counts;  // the Sampler's per-step lists, one entry per row
+  SampleCache(PyObject* p, PyObject* c, bool q) : queued(q), position_rows(p), counts(c) {}
+};
+
+void free_sample_cache(PyObject* capsule) {
+  delete static_cast<SampleCache*>(PyCapsule_GetPointer(capsule, "pi0align.sample_cache"));
+}
+
+SampleCache* sample_cache_of(PyObject* capsule) {
+  return static_cast<SampleCache*>(PyCapsule_GetPointer(capsule, "pi0align.sample_cache"));
+}
+
+// The layouts' key: name, role and argument index (the sample's positions depend on these and the shape).
+bool sample_key(PyObject* name, PyObject* role, long arg_index, std::string& key) {
+  Py_ssize_t name_size, role_size;
+  const char* name_text = PyUnicode_AsUTF8AndSize(name, &name_size);
+  const char* role_text = name_text ? PyUnicode_AsUTF8AndSize(role, &role_size) : nullptr;
+  if (role_text == nullptr) return false;
+  key.assign(name_text, name_size);
+  key += '\0';
+  key.append(role_text, role_size);
+  key += '\0';
+  key += std::to_string(arg_index);
+  return true;
+}
+
+// The tensor's layout, when the kernel gathers from it in place (a CPU tensor of a kind it takes,
+// within its dims).
+bool gathered_in_place(const at::Tensor& tensor, int* kind) {
+  return tensor.device().is_cpu() && tensor.layout() == at::kStrided && tensor.dim() <= kMaxDims &&
+         (*kind = kind_of_type[(int)tensor.scalar_type()]) >= 0;
+}
+
+// The record's sample row, gathered here; -1 when the Sampler must take it, -2 with a Python error set.
+int64_t cached_sample(SampleCache& cache, const at::Tensor& tensor, PyObject* name, PyObject* role, long arg_index) {
+  int kind = -1;
+  if (!gathered_in_place(tensor, &kind)) return -1;
+  std::string key;
+  if (!sample_key(name, role, arg_index, key)) return -2;
+  auto found = cache.layouts.find(key);
+  if (found == cache.layouts.end()) return -1;
+  const SampleLayout& layout = found->second;
+  if (!std::equal(layout.shape.begin(), layout.shape.end(), tensor.sizes().begin(), tensor.sizes().end()) ||
+      !std::equal(layout.strides.begin(), layout.strides.end(), tensor.strides().begin(), tensor.strides().end()))
+    return -1;
+  int64_t row = PyList_GET_SIZE(cache.position_rows.object);
+  if (row + 1 >= cache.rows) return -1;  // one row to spare, as the Sampler keeps: it grows the table
+  auto* values = reinterpret_cast<double*>(cache.host + cache.row_bytes * row);
+  if (cache.queued) keep(tensor);
+  (cache.queued ? pi0align_queue_gather : pi0align_gather)(tensor.data_ptr(), kind, layout.offsets, layout.count,
+                                                           values);
+  if (PyList_Append(cache.position_rows.object, layout.position_row->object) < 0 ||
+      PyList_Append(cache.counts.object, layout.count_object->object) < 0)
+    return -2;
+  return row;
+}
+
+// sample_cache(position_rows, counts, queued) -> a Sampler's cache
+PyObject* new_sample_cache(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 3, "sample_cache(position_rows, counts, queued)")) return nullptr;
+  if (!PyList_Check(args[0]) || !PyList_Check(args[1]))
+    return PyErr_Format(PyExc_TypeError, "sample_cache: position_rows and counts must be lists");
+  auto cache = std::make_unique<SampleCache>(args[0], args[1], PyObject_IsTrue(args[2]));
+  PyObject* capsule = PyCapsule_New(cache.get(), "pi0align.sample_cache", free_sample_cache);
+  if (capsule != nullptr) cache.release();
+  return capsule;
+}
+
+// remember(cache, tensor, name, role, arg_index, position_row, count, offsets): a layout the Sampler
+// made, for the next records of that name, role, argument and layout (the int64 offsets at
+// address `offsets` kept alive and unchanged by the Sampler)
+PyObject* remember_layout(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (!arity(nargs, 8, "remember(cache, tensor, name, role, arg_index, position_row, count, offsets)"))
+    return nullptr;
+  SampleCache* cache = sample_cache_of(args[0]);
+  if (cache == nullptr) return nullptr;
+  if (!THPVariable_Check(args[1])) return PyErr_Format(PyExc_TypeError, "remember: not a tensor");
+  const at::Tensor& tensor = THPVariable_Unpack(args[1]);
+  long arg_index = PyLong_AsLong(args[4]);
+  int64_t count = PyLong_AsLongLong(args[6]);
+  const void* offsets = PyLong_AsVoidPtr(args[7]);
+  std::string key;
+  if (PyErr_Occurred() || !sample_key(args[2], args[3], arg_index, key)) return nullptr;
+  int kind = -1;
+  if (!gathered_in_place(tensor, &kind)) Py_RETURN_NONE;
+  cache->layouts.insert_or_assign(
+      std::move(key), SampleLayout{{tensor.sizes().begin(), tensor.sizes().end()},
+                                   {tensor.strides().begin(), tensor.strides().end()},
+                                   static_cast<const int64_t*>(offsets), count, std::make_shared<PyRef>(args[5]),
+                                   std::make_shared<PyRef>(args[6])});
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// set_host(cache, address, row_bytes, rows): the Sampler's host table, after it grew
+PyObject* set_host(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 4, "set_host(cache, address, row_bytes, rows)")) return nullptr;
+  SampleCache* cache = sample_cache_of(args[0]);
+  if (cache == nullptr) return nullptr;
+  cache->host = static_cast<char*>(PyLong_AsVoidPtr(args[1]));
+  cache->row_bytes = PyLong_AsLongLong(args[2]);
+  cache->rows = PyLong_AsLongLong(args[3]);
+  if (PyErr_Occurred()) return nullptr;
+  Py_RETURN_NONE;
+}
+
 // ---- a step's records (torch_backend.py's TorchRecords, in C++) --------------------------------
 
 PyTypeObject* plain_types[2];  // torch.Tensor and torch.nn.Parameter; other types are subclasses
@@ -488,6 +615,8 @@ struct Recorder {
   PyObject* fallback = nullptr;  // fallback(tensor, slot): statistics the kernel does not compute
   PyObject* sink = nullptr;  // sink(tensor) -> its stored path (tensor mode), or None
   PyObject* sampler = nullptr;  // sampler(tensor, name, role, arg_index) -> its sample row, or None
+  SampleCache* samples = nullptr;  // the sampler's cache, or null: each record's sample asked of the sampler
+  PyObject* samples_capsule = nullptr;  // holds `samples`
   std::vector<int64_t> call_id, numel, slot, sample_row, shape_end, dims;
   std::vector<int32_t> arg_index;
   std::vector<PyObject*> role, dtype, path, skipped;  // references held
@@ -503,6 +632,7 @@ struct Recorder {
     Py_XDECREF(fallback);
     Py_XDECREF(sink);
     Py_XDECREF(sampler);
+    Py_XDECREF(samples_capsule);
   }
 
   int64_t new_slot(int64_t elements) {
@@ -598,7 +728,11 @@ bool record(Recorder& r, int64_t call_id, PyObject* name, PyObject* role, int32_
       }
     }
     ok = ok && path != nullptr;
-    if (ok && r.sampler != Py_None) {
+    if (ok && r.samples != nullptr) {
+      sample_row = cached_sample(*r.samples, tensor, name, role, arg_index);
+      ok = sample_row != -2;
+    }
+    if (ok && r.sampler != Py_None && sample_row == -1) {
       PyObject* index = PyLong_FromLong(arg_index);
       PyObject* row = index ? PyObject_CallFunctionObjArgs(r.sampler, object, name, role, index, nullptr) : nullptr;
       Py_XDECREF(index);
@@ -626,10 +760,15 @@ bool record(Recorder& r, int64_t call_id, PyObject* name, PyObject* role, int32_
   return true;
 }
 
-// recorder(queued, fallback, sink, sampler) -> a step's records
+// recorder(queued, fallback, sink, sampler, sample_cache) -> a step's records; sample_cache: the
+// sampler's (sample_cache()), or None
 PyObject* new_recorder(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!arity(nargs, 4, "recorder(queued, fallback, sink, sampler)")) return nullptr;
+  if (!arity(nargs, 5, "recorder(queued, fallback, sink, sampler, sample_cache)")) return nullptr;
+  SampleCache* samples = args[4] == Py_None ? nullptr : sample_cache_of(args[4]);
+  if (args[4] != Py_None && samples == nullptr) return nullptr;
   auto recorder = std::make_unique<Recorder>();
+  recorder->samples = samples;
+  recorder->samples_capsule = Py_NewRef(args[4]);
   recorder->queued = PyObject_IsTrue(args[0]);
   recorder->fallback = Py_NewRef(args[1]);
   recorder->sink = Py_NewRef(args[2]);
@@ -851,6 +990,9 @@ PyMethodDef methods[] = {
     {"set_kind", (PyCFunction)(void (*)(void))set_kind, METH_FASTCALL, "the kernel's kind of a dtype"},
     {"stats", (PyCFunction)(void (*)(void))tensor_stats, METH_FASTCALL, "statistics of a CPU tensor"},
     {"gather", (PyCFunction)(void (*)(void))tensor_gather, METH_FASTCALL, "sampled elements of a CPU tensor"},
+    {"sample_cache", (PyCFunction)(void (*)(void))new_sample_cache, METH_FASTCALL, "a sampler's layouts"},
+    {"remember", (PyCFunction)(void (*)(void))remember_layout, METH_FASTCALL, "a sampler's layout, for later"},
+    {"set_host", (PyCFunction)(void (*)(void))set_host, METH_FASTCALL, "a sampler's host table"},
     {"queue_copy", (PyCFunction)(void (*)(void))queue_copy, METH_FASTCALL, "a CPU tensor's bytes, copied queued"},
     {"finished", finished_calls, METH_NOARGS, "how many queued calls have run"},
     {"wait", wait_queue, METH_NOARGS, "until every queued call has run"},
