@@ -4,6 +4,7 @@ runs with different data sample the same elements; the values are those elements
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from conftest import require_native
 
@@ -55,10 +56,12 @@ def test_positions_change_with_name_role_argument_and_shape():
         assert not np.array_equal(base, sample_positions(*other, SIZE))
 
 
-def test_the_native_gather_samples_what_torch_indexing_samples(tmp_path):
+@pytest.mark.parametrize("level", ["mix", "module"])
+def test_the_native_gather_samples_what_torch_indexing_samples(tmp_path, level):
     """The native kernel's gather on the CPU, by the sampler at a layout's first sight and by the
-    recorder itself at the next; torch indexing what an accelerator runs. Steps 1 and 4 repeat step
-    0's layouts; step 2 changes the batch's shape, step 3 its strides (a transposed view)."""
+    recorder itself at the next (queued at level mix, at once at level module, where in-place calls
+    are not seen); torch indexing what an accelerator runs. Steps 1 and 4 repeat step 0's layouts;
+    step 2 changes the batch's shape, step 3 its strides (a transposed view)."""
     require_native()
     generator = torch.Generator().manual_seed(3)
     inputs = [torch.randn(3, 4, generator=generator), torch.randn(3, 4, generator=generator),
@@ -66,7 +69,7 @@ def test_the_native_gather_samples_what_torch_indexing_samples(tmp_path):
               torch.randn(3, 4, generator=generator)]
     for backend in ("torch", "native"):
         torch.manual_seed(1)
-        train_steps(Net(), inputs, Dumper(tmp_path / backend, level="mix", mode="sample", sample_size=SIZE,
+        train_steps(Net(), inputs, Dumper(tmp_path / backend, level=level, mode="sample", sample_size=SIZE,
                                           backend=backend))
     for step in range(len(inputs)):
         reference, dumped = (read_step(tmp_path / backend / "dump.h5", step) for backend in ("torch", "native"))
