@@ -49,7 +49,7 @@ class Sampler:
                 self._grow(row + 2)
             # the kernel writes the first `count` values; those past them are NaN'd at `collect`
             self._host_gather.gather(tensor, offsets_at, count, self._host_at + self._row_bytes * row, self.queued)
-            if not wide:  # (the recorder's gather has no int64 rows to count)
+            if not wide:  # a wide row stays here, where `_wide_rows` counts it
                 self._host_gather.remember(self.native_cache, tensor, name, role, arg_index, position_row, count,
                                            offsets_at)
         else:
