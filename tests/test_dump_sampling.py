@@ -80,13 +80,21 @@ def test_the_native_gather_samples_what_torch_indexing_samples(tmp_path, level):
 
 def test_the_recorder_s_own_gather_samples_what_the_sampler_does_as_its_table_grows():
     """Many records a step: the host table grows while the recorder gathers the layouts it knows
-    (the second step: the first step's 300 again, in another order, beside 500 new ones)."""
+    (the second step: the first step's 300 again, in another order, beside 500 new ones), and
+    only the new ones are handed to the sampler."""
     require_native()
     from pi0align.dump.native_backend import NativeBackend
     from pi0align.dump.sampling import Sampler
 
+    class CountedSampler(Sampler):
+        added = 0
+
+        def add(self, *args) -> int:
+            self.added += 1
+            return super().add(*args)
+
     backend = NativeBackend.load()
-    native, reference = Sampler(SIZE, backend.host_gather, queued=True), Sampler(SIZE)
+    native, reference = CountedSampler(SIZE, backend.host_gather, queued=True), Sampler(SIZE)
     generator = torch.Generator().manual_seed(0)
     tensors = [torch.randn(2 + i % 7, 3 + i % 5, generator=generator) for i in range(800)]
     for names in (range(300), [*range(299, -1, -1), *range(300, 800)]):
@@ -98,6 +106,7 @@ def test_the_recorder_s_own_gather_samples_what_the_sampler_does_as_its_table_gr
         expected = reference.collect(np.array([reference.add(tensors[i], f"t{i}", "input", 0) for i in names]))
         for column, want in zip(got, expected):
             assert np.array_equal(column, want, equal_nan=True)
+    assert native.added == 300 + 500
 
 
 def test_positions_are_int64_only_in_a_step_with_a_tensor_of_2_to_the_31_elements():
