@@ -483,17 +483,17 @@ bool sample_key(PyObject* name, PyObject* role, long arg_index, std::string& key
   return true;
 }
 
-// The tensor's layout, when the kernel gathers from it in place (a CPU tensor of a kind it takes,
-// within its dims).
-bool gathered_in_place(const at::Tensor& tensor, int* kind) {
-  return tensor.device().is_cpu() && tensor.layout() == at::kStrided && tensor.dim() <= kMaxDims &&
-         (*kind = kind_of_type[(int)tensor.scalar_type()]) >= 0;
+// The kernel's kind of a tensor it gathers from in place (one readable() takes as it is, within
+// the kernel's dims), or -1.
+int in_place_kind(const at::Tensor& tensor) {
+  int kind = -1;
+  return tensor.dim() <= kMaxDims && readable(tensor, &kind).defined() ? kind : -1;
 }
 
 // The record's sample row, gathered here; -1 when the Sampler must take it, -2 with a Python error set.
 int64_t cached_sample(SampleCache& cache, const at::Tensor& tensor, PyObject* name, PyObject* role, long arg_index) {
-  int kind = -1;
-  if (!gathered_in_place(tensor, &kind)) return -1;
+  const int kind = in_place_kind(tensor);
+  if (kind < 0) return -1;
   std::string key;
   if (!sample_key(name, role, arg_index, key)) return -2;
   auto found = cache.layouts.find(key);
@@ -541,8 +541,7 @@ PyObject* remember_layout(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const void* offsets = PyLong_AsVoidPtr(args[7]);
   std::string key;
   if (PyErr_Occurred() || !sample_key(args[2], args[3], arg_index, key)) return nullptr;
-  int kind = -1;
-  if (!gathered_in_place(tensor, &kind)) Py_RETURN_NONE;
+  if (in_place_kind(tensor) < 0) Py_RETURN_NONE;
   cache->layouts.insert_or_assign(
       std::move(key), SampleLayout{{tensor.sizes().begin(), tensor.sizes().end()},
                                    {tensor.strides().begin(), tensor.strides().end()},
