@@ -370,14 +370,13 @@ class _ApiMode(TorchFunctionMode):
         super().__init__()
         self.capture = capture
         if api_handler is not None:
-            self.plans = capture.plans
-            self.__torch_function__ = api_handler(self, capture, self.plans, not capture.selected.selects_all)
+            self.__torch_function__ = api_handler(self, capture, capture.plans, not capture.selected.selects_all)
 
     def _planned(self, func, types, args=(), kwargs=None):
         """The native handler's way for a call of a function it has no plan for, planned False, or
         given `out=` or `inplace=`."""
         try:
-            self.plans.setdefault(func, self._plan(func))
+            self.capture.plans.setdefault(func, self._plan(func))
         except TypeError:  # an unhashable function: handled here each time
             pass
         return _ApiMode.__torch_function__(self, func, types, args, kwargs)
