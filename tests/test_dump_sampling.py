@@ -10,6 +10,7 @@ from conftest import require_native
 
 from pi0align import Dumper
 from pi0align.dump.file_format import sample_positions
+from pi0align.dump.sample_rows import PositionTable, SampleRows
 from pi0align.testing.dump_helpers import Net, find, read_step, train_steps
 
 torch.set_num_threads(1)
@@ -23,6 +24,11 @@ def dump(path, seed: int, backend: str) -> tuple[dict, dict]:
     train_steps(net, [torch.randn(3, 4) * seed], Dumper(path, steps=[0], level="mix", mode="sample", sample_size=SIZE,
                                                                      backend=backend))
     return read_step(path / "dump.h5", 0), params
+
+
+def ordered(table: PositionTable, samples: SampleRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What the writer process makes of a step's samples: values, positions, and the counts."""
+    return *table.ordered(samples), samples.counts
 
 
 def test_two_runs_with_different_data_sample_the_same_positions(tmp_path, backend):
@@ -95,6 +101,7 @@ def test_the_recorder_s_own_gather_samples_what_the_sampler_does_as_its_table_gr
 
     backend = NativeBackend.load()
     native, reference = CountedSampler(SIZE, backend.host_gather, queued=True), Sampler(SIZE)
+    native_table, reference_table = PositionTable(), PositionTable()
     generator = torch.Generator().manual_seed(0)
     tensors = [torch.randn(2 + i % 7, 3 + i % 5, generator=generator) for i in range(800)]
     for names in (range(300), [*range(299, -1, -1), *range(300, 800)]):
@@ -102,8 +109,9 @@ def test_the_recorder_s_own_gather_samples_what_the_sampler_does_as_its_table_gr
         rows = [records.record(0, f"t{i}", "input", 0, [tensors[i]]) for i in names]
         sample_rows = records.columns()["sample_row"][rows]
         records.statistics()
-        got = native.collect(sample_rows)
-        expected = reference.collect(np.array([reference.add(tensors[i], f"t{i}", "input", 0) for i in names]))
+        got = ordered(native_table, native.collect(sample_rows))
+        expected = ordered(reference_table, reference.collect(
+            np.array([reference.add(tensors[i], f"t{i}", "input", 0) for i in names])))
         for column, want in zip(got, expected):
             assert np.array_equal(column, want, equal_nan=True)
     assert native.added == 300 + 500
@@ -112,11 +120,11 @@ def test_the_recorder_s_own_gather_samples_what_the_sampler_does_as_its_table_gr
 def test_positions_are_int64_only_in_a_step_with_a_tensor_of_2_to_the_31_elements():
     from pi0align.dump.sampling import Sampler
 
-    sampler = Sampler(SIZE)
+    sampler, table = Sampler(SIZE), PositionTable()
     small, wide = torch.arange(10.0), torch.ones(1).expand(2**31 + 7)  # a view: no memory
     for step_tensors in ([small], [small, wide], [small]):
         rows = [sampler.add(t, f"t{len(t)}", "input", 0) for t in step_tensors]
-        values, positions, counts = sampler.collect(np.array([*rows, -1]))
+        values, positions, counts = ordered(table, sampler.collect(np.array([*rows, -1])))
         has_wide = len(step_tensors) == 2
         assert positions.dtype == (np.int64 if has_wide else np.int32)
         assert list(counts) == [SIZE] * len(step_tensors) + [0]
@@ -125,3 +133,21 @@ def test_positions_are_int64_only_in_a_step_with_a_tensor_of_2_to_the_31_element
         if has_wide:
             assert np.array_equal(positions[1], sample_positions(f"t{len(wide)}", "input", 0, tuple(wide.shape), SIZE))
             assert (values[1] == 1).all()
+
+
+def test_a_dumper_closed_and_started_again_writes_every_step_s_positions(tmp_path, backend):
+    """Each step hands the writer process only the positions it has not seen: a new writer
+    process (after close()) is handed them all again."""
+    torch.manual_seed(0)
+    net, dumper = Net(), Dumper(tmp_path, level="mix", mode="sample", sample_size=SIZE, backend=backend)
+    inputs = [torch.randn(3, 4), torch.randn(3, 4)]
+    train_steps(net, inputs[:1], dumper)
+    dumper.close()
+    train_steps(net, inputs[1:], dumper)
+    dumper.close()
+    first, second = (read_step(tmp_path / "dump.h5", step) for step in (0, 1))
+    assert first["calls"]["name"] == second["calls"]["name"]
+    assert np.array_equal(first["samples"]["positions"], second["samples"]["positions"])
+    row = find(second, "block.proj.weight/Parameter#0", "parameter", "parameter")
+    assert np.array_equal(second["samples"]["positions"][row],
+                          sample_positions("block.proj.weight/Parameter#0", "parameter", 0, (4, 4), SIZE))

@@ -200,6 +200,8 @@ class Dumper:
             # queued copies only where the capture waits for them before an in-place call
             self._writer = DumpWriter(self.file, tensors=self.mode == "tensor", compress=self._compress,
                                       copier=self.backend.copier if self._in_place_seen else None)
+            if self._sampler is not None:
+                self._sampler.hand_over_all_positions()  # the new writer process holds none yet
         except WRITE_ERRORS as error:
             raise UserError(f"cannot write the dump file {self.file}: {_reason(error)}") from None
 
@@ -251,11 +253,11 @@ class Dumper:
 
     def _write(self, log: StepLog | None) -> None:
         with torch._C.DisableTorchFunction():
-            tables = log.finish() if log is not None else None
+            tables, samples = log.finish() if log is not None else (None, None)
         stacks = self._capture.stacks.take_new() if self._capture is not None else []
         metrics, self._metrics = self._metrics, []
         tensors_file, self._tensors_file = self._tensors_file, None
-        self._writer.end_step(tables, stacks, metrics, tensors_file if tables is not None else None)
+        self._writer.end_step(tables, stacks, metrics, tensors_file if tables is not None else None, samples)
 
 
 def _rank_and_world_size() -> tuple[int, int]:

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from pi0align.dump.file_format import sample_positions
+from pi0align.dump.sample_rows import SampleRows
 
 _INT32_MAX = 2**31 - 1
 
@@ -28,6 +29,7 @@ class Sampler:
         # cached layout; int32 until a tensor of 2^31 elements or more needs int64 (docs/dump-format.md).
         self._position_table = np.full((256, size), -1, dtype=np.int32)
         self._layouts = 1  # rows of the positions table in use
+        self._positions_handed = 0  # rows of the positions table handed over so far (`collect`)
         self._host = np.full((0, size), np.nan)  # per row, float64: the kernel writes a record's values here
         self._on_device: dict[int, torch.Tensor] = {}  # row -> float64 values on the tensor's device
         self._position_rows: list[int] = []  # per row, its row of the positions table
@@ -83,9 +85,10 @@ class Sampler:
         self._host, self._host_at, self._row_bytes = host, host.ctypes.data, host.strides[0]
         self._host_gather.set_host(self.native_cache, self._host_at, self._row_bytes, len(host))
 
-    def collect(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For queued rows `rows` (-1: none), (values [n, size] NaN-padded, positions [n, size]
-        -1-padded, counts [n]); one copy to the host per device, and the queue is emptied."""
+    def collect(self, rows: np.ndarray) -> SampleRows:
+        """The samples of queued rows `rows` (-1: none), for the writer process to order
+        (sample_rows.py); one copy to the host per device, and the queue is emptied. Its values
+        view the host table: hand them over before the next record is added."""
         self._host_gather.wait()
         queued = len(self._position_rows)
         if queued + 1 > len(self._host):
@@ -99,18 +102,21 @@ class Sampler:
             for r in device_rows:
                 self._host[r, : self._counts[r]] = host[offset : offset + self._counts[r]]
                 offset += self._counts[r]
-        take = np.where(rows >= 0, rows, queued)
-        counts = np.array([*self._counts, 0], dtype=np.int32)[take]
-        values = self._host[take]
-        values[np.arange(self.size) >= counts[:, None]] = np.nan  # past each record's count: a row's earlier values
-        position_rows = np.array([*self._position_rows, 0], dtype=np.int64)
-        positions = self._position_table[position_rows[take]]
-        if positions.dtype == np.int64 and not self._wide_rows:
-            positions = positions.astype(np.int32)  # int64 only in a step that needs it
+        take = np.where(rows >= 0, rows, queued)  # row `queued`: a spare one, of count 0
+        samples = SampleRows(
+            values=self._host[: queued + 1], rows=take, counts=np.array([*self._counts, 0], dtype=np.int32)[take],
+            position_rows=np.array([*self._position_rows, 0], dtype=np.int64),
+            new_positions=self._position_table[self._positions_handed : self._layouts],
+            first_new=self._positions_handed, wide=bool(self._wide_rows))
+        self._positions_handed = self._layouts
         self._on_device, self._wide_rows = {}, 0
         self._position_rows.clear()  # in place: the recorder's gather appends to these lists
         self._counts.clear()
-        return values, positions, counts
+        return samples
+
+    def hand_over_all_positions(self) -> None:
+        """The next `collect` hands over the whole positions table (to a new writer process)."""
+        self._positions_handed = 0
 
 
 class _NoHostGather:

@@ -10,6 +10,7 @@ from fnmatch import fnmatchcase
 import numpy as np
 
 from pi0align.dump.file_format import StepTables
+from pi0align.dump.sample_rows import SampleRows
 
 # Columns kept as a step runs; the rest of the format's (file_format.py) are derived at its end.
 CAPTURED_CALL_COLUMNS = ("seq", "name", "module", "api", "direction", "stack_id", "args")
@@ -93,8 +94,9 @@ class StepLog:
         """Where the gradients of one forward call go; its backward row opens when the first arrives."""
         return self.records.grad_sink(name, forward_id, self.open_backward)
 
-    def finish(self) -> StepTables:
-        """Read the statistics back (one copy per device) and build the tables."""
+    def finish(self) -> tuple[StepTables, SampleRows | None]:
+        """Read the statistics back (one copy per device) and build the tables; in sample mode,
+        also the samples, for the writer process to put in the records' order."""
         calls = {column: object_column(values) for column, values in self.calls.items()}
         calls["call_id"] = np.arange(self.call_count, dtype=np.int32)
         columns = self.records.columns()
@@ -113,9 +115,9 @@ class StepLog:
         samples = None
         records["sample_count"] = np.zeros(len(order), dtype=np.int32)
         if self.sampler is not None:
-            values, positions, counts = self.sampler.collect(columns["sample_row"][order])
-            samples, records["sample_count"] = (values, positions), counts
-        return StepTables(self.step, calls, records, samples)
+            samples = self.sampler.collect(columns["sample_row"][order])
+            records["sample_count"] = samples.counts
+        return StepTables(self.step, calls, records, None), samples
 
 
 @functools.cache

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from pi0align.dump.file_format import StepTables, tensors_file
+from pi0align.dump.sample_rows import SampleRows
 
 TENSOR_RING_BYTES = 1 << 30  # tensors in flight to the writer process; a full ring makes the training wait
 STEP_RING_BYTES = 1 << 26  # the steps' numeric columns in flight (stats and sample modes)
@@ -114,15 +115,16 @@ class DumpWriter:
         return f"tensors/{name}"
 
     def end_step(self, tables: StepTables | None, stacks: list[tuple[int, str]], metrics: list[tuple],
-                 tensors_file: str | None) -> None:
+                 tensors_file: str | None, samples: SampleRows | None = None) -> None:
         """Close the step's tensor file, if one is open, and hand over `dump_file.append(...)` of
-        these; raise an earlier failure."""
+        these, with `tables.samples` from `samples` (put in order by the writer process); raise an
+        earlier failure."""
         if self._tensor_step_open:
             self._commands.append(("close",))
             self._tensor_step_open = False
         if not self._ended and (tables is not None or stacks or metrics):
             self._hand_over_append({"tables": tables, "stacks": stacks, "metrics": metrics,
-                                    "tensors_file": tensors_file})
+                                    "tensors_file": tensors_file, "samples": samples})
         self._send(copied=True)
         self._raise_error()
 

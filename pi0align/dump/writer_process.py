@@ -17,7 +17,9 @@ Commands arrive on stdin as pickled lists; answers leave on stdout, pickled:
   ("append", pickled, [(offset, nbytes)], end)
                                           `dump_file.append(DUMP, **arguments)`, the arguments
                                           pickled (protocol 5) with their out-of-band buffers in
-                                          the ring at these places; `end` as for "write"
+                                          the ring at these places; `end` as for "write"; the
+                                          argument `samples` (sample_rows.SampleRows, or None)
+                                          becomes the tables' samples, in the records' order
   ("sync",)                               answered ("synced",) once everything before it is done
 An error answers ("error", message); a failed tensor file skips the rest of its step. At the end
 of stdin (the training process ended, even killed), queued work is finished; an unclosed step's
@@ -40,6 +42,7 @@ import numpy as np
 
 from pi0align.dump import dump_file
 from pi0align.dump.dump_file import WRITE_ERRORS, ensure_room
+from pi0align.dump.sample_rows import PositionTable
 from pi0align.dump.tensor_store import write_tensor_dataset
 
 PARTIAL = ".partial"
@@ -54,6 +57,7 @@ class _Store:
         self.file: h5py.File | None = None
         self.path = ""
         self.failed = False  # the step's tensor file failed: skip the rest of the step
+        self.positions = PositionTable()  # sample mode's, as handed over step after step
 
     def handle(self, command: tuple) -> None:
         kind = command[0]
@@ -91,6 +95,9 @@ class _Store:
         """Its arrays view the ring: they are gone when this returns, before their place is freed."""
         ring = memoryview(self.ring)
         arguments = pickle.loads(pickled, buffers=[ring[offset:offset + nbytes] for offset, nbytes in places])
+        samples = arguments.pop("samples")
+        if samples is not None:
+            arguments["tables"].samples = self.positions.ordered(samples)
         dump_file.append(self.dump, **arguments)
 
     def discard(self) -> None:

@@ -623,16 +623,20 @@ struct Recorder {
   std::vector<int64_t> slot_numel;
   std::unordered_map<ElementsKey, Seen, ElementsKeyHash> seen;
 
-  ~Recorder() {
-    if (queued) pi0align_wait();  // no queued call may write into freed blocks
-    for (auto* column : {&role, &dtype, &path, &skipped})
+  // Its Python references, let go with the GIL held; the rest of it may then go on any thread.
+  void release_python() {
+    for (auto* column : {&role, &dtype, &path, &skipped}) {
       for (PyObject* text : *column) Py_DECREF(text);
-    for (auto& entry : seen) Py_DECREF(entry.second.path);
-    Py_XDECREF(fallback);
-    Py_XDECREF(sink);
-    Py_XDECREF(sampler);
-    Py_XDECREF(samples_capsule);
+      column->clear();
+    }
+    for (auto& entry : seen) Py_CLEAR(entry.second.path);
+    Py_CLEAR(fallback);
+    Py_CLEAR(sink);
+    Py_CLEAR(sampler);
+    Py_CLEAR(samples_capsule);
   }
+
+  ~Recorder() { release_python(); }  // nothing left to release where free_recorder released it
 
   int64_t new_slot(int64_t elements) {
     int64_t at = (int64_t)slot_numel.size();
@@ -644,8 +648,17 @@ struct Recorder {
   int64_t* ints_of(int64_t at) { return blocks[at / kBlockRows]->ints[at % kBlockRows]; }
 };
 
+void delete_recorder(void* recorder) { delete static_cast<Recorder*>(recorder); }
+
+// A step's recorder is freed on the kernel's thread: its thousands of allocations, and the weak
+// references to the step's tensors, took the training thread 2-5 ms at each step end of PI0 small.
+// Its Python references go here, with the GIL.
 void free_recorder(PyObject* capsule) {
-  delete static_cast<Recorder*>(PyCapsule_GetPointer(capsule, "pi0align.recorder"));
+  Recorder* recorder = static_cast<Recorder*>(PyCapsule_GetPointer(capsule, "pi0align.recorder"));
+  if (recorder->queued) pi0align_wait();  // its queued calls done: none writes into its blocks once freed
+  recorder->release_python();
+  pi0align_queue_call(delete_recorder, recorder);
+  keep(at::Tensor());  // keep()'s count: one kept tensor per queued call, none read here
 }
 
 Recorder* recorder_of(PyObject* capsule) {

@@ -168,9 +168,9 @@ const Copy COPIES[] = {copy_elements<Bool>, copy_elements<U8>, copy_elements<I8>
                        copy_elements<BF16>, copy_elements<F16>, copy_elements<I32>, copy_elements<F32>,
                        copy_elements<I64>, copy_elements<F64>};
 
-// A queued statistics job (offsets == nullptr), gather job, or copy job (dest: n bytes of data
-// copied there when ndim is 0, else the strided elements); sizes copied, the caller's arrays may
-// go as soon as it is queued.
+// A queued statistics job (offsets == nullptr), gather job, copy job (dest: n bytes of data
+// copied there when ndim is 0, else the strided elements), or call (call(argument)); sizes
+// copied, the caller's arrays may go as soon as it is queued.
 struct Job {
   const void* data; int kind, ndim;
   int64_t size[16], stride[16], step[16];
@@ -178,10 +178,13 @@ struct Job {
   const int64_t* offsets; int64_t n;
   int64_t elements;  // read by the job
   void* dest = nullptr;
+  void (*call)(void*) = nullptr;
+  void* argument = nullptr;
 };
 
 void execute(const Job& job) {
-  if (job.dest != nullptr && job.ndim == 0) std::memcpy(job.dest, job.data, job.n);
+  if (job.call != nullptr) job.call(job.argument);
+  else if (job.dest != nullptr && job.ndim == 0) std::memcpy(job.dest, job.data, job.n);
   else if (job.dest != nullptr) COPIES[job.kind](job.data, job.ndim, job.size, job.stride, job.step, job.dest);
   else if (job.offsets == nullptr) KINDS[job.kind](job.data, job.ndim, job.size, job.stride, job.step, job.out_f, job.out_i);
   else GATHERS[job.kind](job.data, job.offsets, job.n, job.out_f);
@@ -304,6 +307,12 @@ extern "C" void pi0align_queue_strided_copy(const void* data, int kind, int ndim
                                              const int64_t* stride, const int64_t* step, void* dest) {
   Job job = job_of(data, kind, ndim, size, stride, step);
   job.dest = dest;
+  queue().push(job);
+}
+
+extern "C" void pi0align_queue_call(void (*call)(void*), void* argument) {
+  Job job{nullptr, 0, 0, {}, {}, {}, nullptr, nullptr, nullptr, 0, 0};
+  job.call = call, job.argument = argument;
   queue().push(job);
 }
 

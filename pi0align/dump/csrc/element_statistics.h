@@ -23,6 +23,7 @@ void pi0align_queue_gather(const void* data, int kind, const int64_t* offsets, i
 void pi0align_queue_copy(const void* data, void* dest, int64_t nbytes);
 void pi0align_queue_strided_copy(const void* data, int kind, int ndim, const int64_t* size, const int64_t* stride,
                                  const int64_t* step, void* dest);
+void pi0align_queue_call(void (*call)(void*), void* argument);  // call(argument) in the queue's order
 void pi0align_wait();
 void pi0align_finished(int64_t* out);
 }
