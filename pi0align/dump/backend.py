@@ -99,7 +99,8 @@ class Backend(Protocol):
     def records(self, in_place_seen: bool, tensor_sink, sampler) -> StepRecords:
         """A step's records. in_place_seen: the capture sees every in-place call and calls
         `before_change` first, so statistics may wait for it; else what waits is a copy.
-        tensor_sink(tensor) -> stored path, or None; sampler: Sampler or None."""
+        tensor_sink(tensor, now=False) -> stored path (copied now, not queued, where `now`), or
+        None; sampler: Sampler or None."""
 
 
 def choose_backend(name: str) -> Backend:

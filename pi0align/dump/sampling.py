@@ -38,8 +38,8 @@ class Sampler:
         # the recorder's way to the layouts seen so far (it appends to the two lists above), or None
         self.native_cache = self._host_gather.sample_cache(self._position_rows, self._counts, queued)
 
-    def add(self, tensor: torch.Tensor, name: str, role: str, arg_index: int) -> int:
-        """Queue the sample of one record; returns its row."""
+    def add(self, tensor: torch.Tensor, name: str, role: str, arg_index: int, now: bool = False) -> int:
+        """Queue the sample of one record (gathered now where `now`); returns its row."""
         key = (name, role, arg_index, tensor.shape, tensor.stride(), tensor.device)
         cached = self._cache.get(key)
         if cached is None:
@@ -50,7 +50,8 @@ class Sampler:
             if row + 1 >= len(self._host):  # one row to spare: the NaN row of records without a sample
                 self._grow(row + 2)
             # the kernel writes the first `count` values; those past them are NaN'd at `collect`
-            self._host_gather.gather(tensor, offsets_at, count, self._host_at + self._row_bytes * row, self.queued)
+            self._host_gather.gather(tensor, offsets_at, count, self._host_at + self._row_bytes * row,
+                                     self.queued and not now)
             if not wide:  # a wide row stays here, where `_wide_rows` counts it
                 self._host_gather.remember(self.native_cache, tensor, name, role, arg_index, position_row, count,
                                            offsets_at)

@@ -85,10 +85,11 @@ class DumpWriter:
         self._commands.append(("open", str(self.path.parent / relative)))
         return relative
 
-    def put(self, tensor: torch.Tensor) -> str:
-        """Copy the tensor for the writer; returns its dataset path relative to the step group, or
-        "" once the writer has failed (the failure is raised at the step's end, not inside the
-        model's forward or backward)."""
+    def put(self, tensor: torch.Tensor, now: bool = False) -> str:
+        """Copy the tensor for the writer (now, or queued where the DumpWriter has a copier and not
+        `now`); returns its dataset path relative to the step group, or "" once the writer has
+        failed (the failure is raised at the step's end, not inside the model's forward or
+        backward)."""
         if self._error is not None or self._ended:
             return ""
         name = str(self._count)
@@ -103,7 +104,7 @@ class DumpWriter:
         offset = self._place(nbytes)
         if offset is None:
             return ""
-        copying = self._queue_copy(tensor, self._ring_address + offset)
+        copying = 0 if now else self._queue_copy(tensor, self._ring_address + offset)
         if copying:
             self._copying.append((self._sent + len(self._commands), copying))
         else:

@@ -16,6 +16,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -45,7 +46,11 @@ constexpr size_t kMaxNodes = 16;
 PyObject* role_grad_output;
 PyObject* role_grad_input;
 
-struct Slot { uint32_t index; long arg; };  // a gradient's index at the node, the call's argument
+// A gradient's index at the node, the call's argument, and whether it flows into a leaf's
+// accumulator (`.grad`): such a gradient is read now, not queued, since autograd copies a gradient
+// someone else holds into `.grad` instead of moving it there (PI0 small: 23 MB a step copied, and
+// the heap grown and trimmed again at each step, 5,700 page faults).
+struct Slot { uint32_t index; long arg; bool to_leaf; };
 
 using pi0align::arity;
 
@@ -73,8 +78,9 @@ struct Quiet {
 struct BackwardCall;
 // The backward call a capsule holds, or null with a Python error set.
 std::shared_ptr<BackwardCall> backward_call_of(PyObject* capsule);
-// Records one gradient of the call, with the GIL held; a Python error is raised through autograd.
-void deliver(BackwardCall& call, PyObject* role, long arg, const at::TensorBase& grad);
+// Records one gradient of the call (now, not queued, where `to_leaf`), with the GIL held; a Python
+// error is raised through autograd.
+void deliver(BackwardCall& call, PyObject* role, long arg, const at::TensorBase& grad, bool to_leaf);
 
 // Records the gradients a node receives (the call's output gradients) and those it produces
 // towards the call's inputs. Changes nothing.
@@ -94,7 +100,8 @@ class SinkHook final : public torch::autograd::FunctionPostHook {
  private:
   void deliver_all(PyObject* role, const std::vector<Slot>& slots, const variable_list& grads) {
     for (const Slot& slot : slots)
-      if (slot.index < grads.size() && grads[slot.index].defined()) deliver(*call_, role, slot.arg, grads[slot.index]);
+      if (slot.index < grads.size() && grads[slot.index].defined())
+        deliver(*call_, role, slot.arg, grads[slot.index], slot.to_leaf);
   }
 
   std::shared_ptr<BackwardCall> call_;
@@ -114,10 +121,11 @@ PyObject* watch_tensor_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs)
   for (Py_ssize_t arg = 0; arg < PySequence_Fast_GET_SIZE(seq); ++arg) {
     PyObject* item = PySequence_Fast_GET_ITEM(seq, arg);
     if (!THPVariable_Check(item) || !THPVariable_Unpack(item).requires_grad()) continue;
-    THPVariable_Unpack(item).register_hook([role, call, arg](const at::TensorBase& grad) {
+    const bool leaf = THPVariable_Unpack(item).is_leaf();  // its gradient goes on into `.grad`
+    THPVariable_Unpack(item).register_hook([role, call, arg, leaf](const at::TensorBase& grad) {
       pybind11::gil_scoped_acquire gil;
       Quiet quiet;
-      deliver(*call, role->object, (long)arg, grad);
+      deliver(*call, role->object, (long)arg, grad, leaf);
     });
   }
   Py_DECREF(seq);
@@ -219,7 +227,7 @@ PyObject* watch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     NodeRef node = out.grad_fn();
     // no gradient, or an input handed back unchanged: not this call's node
     if (!node || (edges != nullptr && edges->has_node(node.get()))) continue;
-    watched_entry(watched, node).outs.push_back({(uint32_t)out.output_nr(), (long)arg});
+    watched_entry(watched, node).outs.push_back({(uint32_t)out.output_nr(), (long)arg, false});
   }
   Py_DECREF(seq);
   if (watched.empty()) Py_RETURN_NONE;
@@ -240,7 +248,9 @@ PyObject* watch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       if (target != nullptr) {
         // the k-th use of an edge at this node is the k-th input with that edge
         size_t k = used[target - edges->targets.data()]++;
-        if (k < target->args.size()) watched_entry(watched, node).ins.push_back({j, target->args[k]});
+        if (k < target->args.size())
+          watched_entry(watched, node).ins.push_back(
+              {j, target->args[k], dynamic_cast<torch::autograd::AccumulateGrad*>(following.get()) != nullptr});
       } else if (!edges->has_node(following.get()) &&
                  std::find(seen.begin(), seen.end(), following.get()) == seen.end()) {
         seen.push_back(following.get());
@@ -491,7 +501,8 @@ int in_place_kind(const at::Tensor& tensor) {
 }
 
 // The record's sample row, gathered here; -1 when the Sampler must take it, -2 with a Python error set.
-int64_t cached_sample(SampleCache& cache, const at::Tensor& tensor, PyObject* name, PyObject* role, long arg_index) {
+int64_t cached_sample(SampleCache& cache, const at::Tensor& tensor, PyObject* name, PyObject* role, long arg_index,
+                      bool now) {
   const int kind = in_place_kind(tensor);
   if (kind < 0) return -1;
   std::string key;
@@ -505,9 +516,9 @@ int64_t cached_sample(SampleCache& cache, const at::Tensor& tensor, PyObject* na
   int64_t row = PyList_GET_SIZE(cache.position_rows.object);
   if (row + 1 >= cache.rows) return -1;  // one row to spare, as the Sampler keeps: it grows the table
   auto* values = reinterpret_cast<double*>(cache.host + cache.row_bytes * row);
-  if (cache.queued) keep(tensor);
-  (cache.queued ? pi0align_queue_gather : pi0align_gather)(tensor.data_ptr(), kind, layout.offsets, layout.count,
-                                                           values);
+  const bool queued = cache.queued && !now;
+  if (queued) keep(tensor);
+  (queued ? pi0align_queue_gather : pi0align_gather)(tensor.data_ptr(), kind, layout.offsets, layout.count, values);
   if (PyList_Append(cache.position_rows.object, layout.position_row->object) < 0 ||
       PyList_Append(cache.counts.object, layout.count_object->object) < 0)
     return -2;
@@ -612,8 +623,8 @@ struct Recorder {
   bool queued = false;
   bool closed = false;  // the step has ended: gradients arriving later (a graph kept past it) are not its
   PyObject* fallback = nullptr;  // fallback(tensor, slot): statistics the kernel does not compute
-  PyObject* sink = nullptr;  // sink(tensor) -> its stored path (tensor mode), or None
-  PyObject* sampler = nullptr;  // sampler(tensor, name, role, arg_index) -> its sample row, or None
+  PyObject* sink = nullptr;  // sink(tensor, now) -> its stored path (tensor mode), or None
+  PyObject* sampler = nullptr;  // sampler(tensor, name, role, arg_index, now) -> its sample row, or None
   SampleCache* samples = nullptr;  // the sampler's cache, or null: each record's sample asked of the sampler
   PyObject* samples_capsule = nullptr;  // holds `samples`
   std::vector<int64_t> call_id, numel, slot, sample_row, shape_end, dims;
@@ -700,8 +711,11 @@ ElementsKey elements_key(const at::Tensor& tensor) {
 }
 
 // One record: its statistics (reused when the same elements were recorded this step), stored copy
-// and sample; false with a Python error set when a Python part failed.
-bool record(Recorder& r, int64_t call_id, PyObject* name, PyObject* role, int32_t arg_index, PyObject* object) {
+// and sample, read now where `now` (else queued where the recorder queues); false with a Python
+// error set when a Python part failed.
+bool record(Recorder& r, int64_t call_id, PyObject* name, PyObject* role, int32_t arg_index, PyObject* object,
+            bool now = false) {
+  PyObject* const stored_now = now ? Py_True : Py_False;  // the sink's and the sampler's `now`
   const at::Tensor& tensor = THPVariable_Unpack(object);
   PyObject* skipped = skip_reason(object, tensor);
   PyObject* dtype = skipped ? dtype_name(object, tensor) : nullptr;
@@ -719,17 +733,17 @@ bool record(Recorder& r, int64_t call_id, PyObject* name, PyObject* role, int32_
     if (known != r.seen.end() && !known->second.tensor.expired()) {
       slot = known->second.slot;
       if (known->second.shape == shape || r.sink == Py_None) Py_SETREF(path, Py_NewRef(known->second.path));
-      else Py_SETREF(path, PyObject_CallOneArg(r.sink, object));
+      else Py_SETREF(path, PyObject_CallFunctionObjArgs(r.sink, object, stored_now, nullptr));
     } else {
       slot = r.new_slot(tensor.numel());
-      if (!kernel_stats(tensor, r.floats_of(slot), r.ints_of(slot), r.queued)) {
+      if (!kernel_stats(tensor, r.floats_of(slot), r.ints_of(slot), r.queued && !now)) {
         PyObject* at = PyLong_FromLongLong(slot);
         PyObject* done = at ? PyObject_CallFunctionObjArgs(r.fallback, object, at, nullptr) : nullptr;
         Py_XDECREF(at);
         ok = done != nullptr;
         Py_XDECREF(done);
       }
-      if (ok && r.sink != Py_None) Py_SETREF(path, PyObject_CallOneArg(r.sink, object));
+      if (ok && r.sink != Py_None) Py_SETREF(path, PyObject_CallFunctionObjArgs(r.sink, object, stored_now, nullptr));
       if (ok && path != nullptr) {
         if (known != r.seen.end()) {
           Py_DECREF(known->second.path);
@@ -741,12 +755,13 @@ bool record(Recorder& r, int64_t call_id, PyObject* name, PyObject* role, int32_
     }
     ok = ok && path != nullptr;
     if (ok && r.samples != nullptr) {
-      sample_row = cached_sample(*r.samples, tensor, name, role, arg_index);
+      sample_row = cached_sample(*r.samples, tensor, name, role, arg_index, now);
       ok = sample_row != -2;
     }
     if (ok && r.sampler != Py_None && sample_row == -1) {
       PyObject* index = PyLong_FromLong(arg_index);
-      PyObject* row = index ? PyObject_CallFunctionObjArgs(r.sampler, object, name, role, index, nullptr) : nullptr;
+      PyObject* row =
+          index ? PyObject_CallFunctionObjArgs(r.sampler, object, name, role, index, stored_now, nullptr) : nullptr;
       Py_XDECREF(index);
       ok = row != nullptr && (sample_row = PyLong_AsLongLong(row), !PyErr_Occurred());
       Py_XDECREF(row);
@@ -904,7 +919,7 @@ std::shared_ptr<BackwardCall> backward_call_of(PyObject* capsule) {
   return call == nullptr ? nullptr : *call;
 }
 
-void deliver(BackwardCall& call, PyObject* role, long arg, const at::TensorBase& grad) {
+void deliver(BackwardCall& call, PyObject* role, long arg, const at::TensorBase& grad, bool to_leaf) {
   Recorder* r = recorder_of(call.recorder.object);
   if (r == nullptr) throw python_error();
   if (r->closed) return;
@@ -917,7 +932,7 @@ void deliver(BackwardCall& call, PyObject* role, long arg, const at::TensorBase&
   }
   PyObject* wrapped = THPVariable_Wrap(grad);
   if (wrapped == nullptr) throw python_error();
-  bool ok = record(*r, call.id, call.name.object, role, (int32_t)arg, wrapped);
+  bool ok = record(*r, call.id, call.name.object, role, (int32_t)arg, wrapped, to_leaf);
   Py_DECREF(wrapped);
   if (!ok) throw python_error();
 }
