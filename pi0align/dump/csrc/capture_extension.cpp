@@ -459,16 +459,49 @@ struct SampleLayout {
   std::shared_ptr<PyRef> position_row, count_object;  // what the Sampler's lists take for the record
 };
 
+// The layouts' key: name, role and argument index (the sample's positions depend on these and the
+// shape). Its texts are compared as str objects, not copied: a record's name is a new str at each
+// step, and a copy of it per record cost PI0 small's sample mode an allocation a record. The
+// key stored in the map holds references to its two str (SampleCache releases them).
+struct SampleKey {
+  PyObject* name;
+  PyObject* role;
+  long arg;
+  Py_hash_t hash;
+  bool operator==(const SampleKey& other) const {
+    return arg == other.arg && hash == other.hash && same_text(name, other.name) && same_text(role, other.role);
+  }
+  static bool same_text(PyObject* a, PyObject* b) { return a == b || PyUnicode_Compare(a, b) == 0; }
+};
+
+struct SampleKeyHash {
+  size_t operator()(const SampleKey& key) const { return (size_t)key.hash; }
+};
+
+// The key of a record; false with a Python error set.
+bool sample_key(PyObject* name, PyObject* role, long arg_index, SampleKey& key) {
+  Py_hash_t name_hash = PyObject_Hash(name), role_hash = name_hash == -1 ? -1 : PyObject_Hash(role);
+  if (role_hash == -1) return false;
+  key = {name, role, arg_index, (Py_hash_t)((size_t)name_hash * 1000003u ^ (size_t)role_hash * 31u ^ (size_t)arg_index)};
+  return true;
+}
+
 // A Sampler's layouts seen in earlier steps and its host table. A record whose layout is known
 // and whose row fits in the table is gathered here; the rest, and every first sight, go to the
 // Sampler, which tells this cache (remember, set_host).
 struct SampleCache {
-  std::unordered_map<std::string, SampleLayout> layouts;
+  std::unordered_map<SampleKey, SampleLayout, SampleKeyHash> layouts;
   char* host = nullptr;  // the Sampler's float64 table: rows of row_bytes
   int64_t row_bytes = 0, rows = 0;
   bool queued = false;
   PyRef position_rows, counts;  // the Sampler's per-step lists, one entry per row
   SampleCache(PyObject* p, PyObject* c, bool q) : queued(q), position_rows(p), counts(c) {}
+  ~SampleCache() {
+    for (auto& [key, layout] : layouts) {
+      Py_DECREF(key.name);
+      Py_DECREF(key.role);
+    }
+  }
 };
 
 void free_sample_cache(PyObject* capsule) {
@@ -477,20 +510,6 @@ void free_sample_cache(PyObject* capsule) {
 
 SampleCache* sample_cache_of(PyObject* capsule) {
   return static_cast<SampleCache*>(PyCapsule_GetPointer(capsule, "pi0align.sample_cache"));
-}
-
-// The layouts' key: name, role and argument index (the sample's positions depend on these and the shape).
-bool sample_key(PyObject* name, PyObject* role, long arg_index, std::string& key) {
-  Py_ssize_t name_size, role_size;
-  const char* name_text = PyUnicode_AsUTF8AndSize(name, &name_size);
-  const char* role_text = name_text ? PyUnicode_AsUTF8AndSize(role, &role_size) : nullptr;
-  if (role_text == nullptr) return false;
-  key.assign(name_text, name_size);
-  key += '\0';
-  key.append(role_text, role_size);
-  key += '\0';
-  key += std::to_string(arg_index);
-  return true;
 }
 
 // The kernel's kind of a tensor it gathers from in place (one readable() takes as it is, within
@@ -505,7 +524,7 @@ int64_t cached_sample(SampleCache& cache, const at::Tensor& tensor, PyObject* na
                       bool now) {
   const int kind = in_place_kind(tensor);
   if (kind < 0) return -1;
-  std::string key;
+  SampleKey key;
   if (!sample_key(name, role, arg_index, key)) return -2;
   auto found = cache.layouts.find(key);
   if (found == cache.layouts.end()) return -1;
@@ -550,14 +569,18 @@ PyObject* remember_layout(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   long arg_index = PyLong_AsLong(args[4]);
   int64_t count = PyLong_AsLongLong(args[6]);
   const void* offsets = PyLong_AsVoidPtr(args[7]);
-  std::string key;
+  SampleKey key;
   if (PyErr_Occurred() || !sample_key(args[2], args[3], arg_index, key)) return nullptr;
   if (in_place_kind(tensor) < 0) Py_RETURN_NONE;
-  cache->layouts.insert_or_assign(
-      std::move(key), SampleLayout{{tensor.sizes().begin(), tensor.sizes().end()},
-                                   {tensor.strides().begin(), tensor.strides().end()},
-                                   static_cast<const int64_t*>(offsets), count, std::make_shared<PyRef>(args[5]),
-                                   std::make_shared<PyRef>(args[6])});
+  auto [entry, added] = cache->layouts.insert_or_assign(
+      key, SampleLayout{{tensor.sizes().begin(), tensor.sizes().end()},
+                        {tensor.strides().begin(), tensor.strides().end()},
+                        static_cast<const int64_t*>(offsets), count, std::make_shared<PyRef>(args[5]),
+                        std::make_shared<PyRef>(args[6])});
+  if (added) {  // the map's key holds its texts
+    Py_INCREF(entry->first.name);
+    Py_INCREF(entry->first.role);
+  }
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
