@@ -311,6 +311,9 @@ def test_a_shared_weight_s_gradients_are_recorded_as_they_came_and_its_gradient_
             find(tables, name, "parameter", "parameter_grad")
         assert records["checksum"][row] == reference_checksum(gradient), name
         assert records["norm"][row] == pytest.approx(gradient.double().norm().item(), rel=1e-6), name
+        if mode == "tensor":
+            with h5py.File(tmp_path / "dump.h5", "r") as f:
+                assert torch.equal(torch.from_numpy(f["steps/000000"][records["tensor"][row]][()]), gradient), name
 
 
 @pytest.mark.parametrize("mode", ["stats", "sample", "tensor"])
