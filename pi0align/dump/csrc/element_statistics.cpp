@@ -21,32 +21,32 @@ double as_double(uint64_t bits) { double d; std::memcpy(&d, &bits, 8); return d;
 // One element kind per dtype: Raw is how it is read, value() its number, bits() the integer the
 // checksum weighs (docs/dump-format.md: unsigned for 1 byte, sign-extended for 2, 4 and 8 bytes),
 // Check the width the checksum wraps at.
-struct Bool { using Raw = uint8_t; using Check = uint32_t;
+struct Bool { using Value = double; using Raw = uint8_t; using Check = uint32_t;
   static double value(Raw r) { return r != 0; } static Check bits(Raw r) { return r; } };
-struct U8 { using Raw = uint8_t; using Check = uint32_t;
+struct U8 { using Value = double; using Raw = uint8_t; using Check = uint32_t;
   static double value(Raw r) { return r; } static Check bits(Raw r) { return r; } };
-struct I8 { using Raw = uint8_t; using Check = uint32_t;
+struct I8 { using Value = double; using Raw = uint8_t; using Check = uint32_t;
   static double value(Raw r) { return (int8_t)r; } static Check bits(Raw r) { return r; } };
-struct I16 { using Raw = int16_t; using Check = uint32_t;
+struct I16 { using Value = double; using Raw = int16_t; using Check = uint32_t;
   static double value(Raw r) { return r; } static Check bits(Raw r) { return (uint32_t)(int32_t)r; } };
-struct BF16 { using Raw = int16_t; using Check = uint32_t;
-  static double value(Raw r) { return as_float((uint32_t)(uint16_t)r << 16); }
+struct BF16 { using Raw = int16_t; using Check = uint32_t; using Value = float;
+  static float value(Raw r) { return as_float((uint32_t)(uint16_t)r << 16); }
   static Check bits(Raw r) { return (uint32_t)(int32_t)r; } };
-struct F16 { using Raw = int16_t; using Check = uint32_t;
-  static double value(Raw r) {  // exact: the exponent is rebased by a multiplication, Inf/NaN kept
+struct F16 { using Raw = int16_t; using Check = uint32_t; using Value = float;
+  static float value(Raw r) {  // exact: the exponent is rebased by a multiplication, Inf/NaN kept
     uint32_t h = (uint16_t)r, magnitude = (h & 0x7fffu) << 13;
     float v = as_float(magnitude) * 0x1p112f;
     if ((h & 0x7c00u) == 0x7c00u) v = as_float(magnitude | 0x7f800000u);
     return (h & 0x8000u) ? -v : v;
   }
   static Check bits(Raw r) { return (uint32_t)(int32_t)r; } };
-struct I32 { using Raw = int32_t; using Check = uint32_t;
+struct I32 { using Value = double; using Raw = int32_t; using Check = uint32_t;
   static double value(Raw r) { return r; } static Check bits(Raw r) { return (uint32_t)r; } };
-struct F32 { using Raw = uint32_t; using Check = uint32_t;
-  static double value(Raw r) { return as_float(r); } static Check bits(Raw r) { return r; } };
-struct I64 { using Raw = int64_t; using Check = uint64_t;
+struct F32 { using Raw = uint32_t; using Check = uint32_t; using Value = float;
+  static float value(Raw r) { return as_float(r); } static Check bits(Raw r) { return r; } };
+struct I64 { using Value = double; using Raw = int64_t; using Check = uint64_t;
   static double value(Raw r) { return (double)r; } static Check bits(Raw r) { return (uint64_t)r; } };
-struct F64 { using Raw = uint64_t; using Check = uint64_t;
+struct F64 { using Value = double; using Raw = uint64_t; using Check = uint64_t;
   static double value(Raw r) { return as_double(r); } static Check bits(Raw r) { return r; } };
 
 template <class K>
@@ -61,16 +61,19 @@ struct Acc {
 template <class K, bool Dense>
 void row(const typename K::Raw* x, int64_t n, int64_t stride, int64_t first, int64_t step, Acc<K>& a) {
   using Check = typename K::Check;
-  double lo = a.lo, hi = a.hi, sum = a.sum, sq = a.sq;
+  using Value = typename K::Value;  // float where every value is one: half the lanes' work for min and max
+  Value lo = (Value)a.lo, hi = (Value)a.hi;
+  double sum = a.sum, sq = a.sq;
   Check check = 0, weight = (Check)(first + 1), increment = (Check)step;
 #pragma omp simd reduction(min : lo) reduction(max : hi) reduction(+ : sum, sq, check)
   for (int64_t j = 0; j < n; ++j) {
     typename K::Raw r = x[Dense ? j : j * stride];
-    double v = K::value(r);
+    Value v = K::value(r);
     lo = v < lo ? v : lo;
     hi = v > hi ? v : hi;
-    sum += v;
-    sq += v * v;
+    double d = v;
+    sum += d;
+    sq += d * d;
     check += K::bits(r) * (weight + (Check)j * increment);  // wraps, as the format says
   }
   a.lo = lo, a.hi = hi, a.sum = sum, a.sq = sq, a.check += check;
