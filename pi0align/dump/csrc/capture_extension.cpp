@@ -278,7 +278,8 @@ constexpr int kMaxDims = 16;  // the kernel's odometer
 // Queued tensors, kept alive until their call has run (never freed at exit: no static destructor
 // may free a tensor after the interpreter is gone). The tensor, not only its memory: autograd then
 // copies a gradient into `.grad` rather than move it there, so that hooks and DDP changing `.grad`
-// in place before the queue is drained (at backward's end) never change what is queued.
+// in place before the queue is drained (at backward's end) never change what is queued. (A gradient
+// known to go into `.grad` is not queued at all but read at once: record()'s `now`.)
 std::deque<at::Tensor>& kept = *new std::deque<at::Tensor>();
 int64_t released = 0;  // queued calls whose tensor was let go
 
