@@ -54,6 +54,22 @@ def test_ring_wraps_fills_and_passes_tensors_larger_than_itself(tmp_path, copier
             assert np.array_equal(stored[()], expected)
 
 
+@pytest.mark.timeout(120)
+def test_a_step_of_many_tensors_larger_than_the_ring_comes_back_exact(tmp_path, copier):
+    """Past half the ring the step's tensors go to the writer process while it runs, a batch of
+    commands at a time, their queued copies waited for only where the ring is full."""
+    generator = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(int(n), generator=generator) for n in torch.randint(100, 1000, (900,), generator=generator)]
+    writer = DumpWriter(tmp_path / "dump.h5", tensors=True, ring_bytes=1 << 20, copier=copier)
+    writer.begin_step(0)
+    paths = [writer.put(t) for t in tensors]  # about 2 MiB: the ring is filled and freed twice
+    writer.end_step(None, [], [], None)
+    writer.close()
+    with h5py.File(tmp_path / "dump.h5.tensors" / "000000.h5", "r") as f:
+        for path, tensor in zip(paths, tensors):
+            assert np.array_equal(f[path.removeprefix("tensors/")][()], tensor.numpy())
+
+
 def _tables(step: int, rows: int, sample_size: int) -> StepTables:
     generator = np.random.default_rng(step)
 
