@@ -104,6 +104,7 @@ class DumpWriter:
             data = tensor.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
             self._commands.append(("write", name, dtype, np_dtype, tuple(tensor.shape), data.view(-1).view(
                 torch.uint8).numpy(), None))
+            self._send(copied=True)  # its copy, as large as the ring, is not kept until the step's end
             return f"tensors/{name}"
         offset = self._place(nbytes)
         if offset is None:
