@@ -109,17 +109,24 @@ def test_compressed_hdf5_chunks_read_in_parallel_equal_in_memory(tmp_path, filte
     with h5py.File(tmp_path / "t.h5", "w") as f:
         for name, value in (("b", b), ("n", n), ("b16", b.view(np.uint32) >> 16), ("n16", n.view(np.uint32) >> 16)):
             f.create_dataset(name, data=value.astype(np.uint16) if "16" in name else value, chunks=(64, 32), **filters)
+        for name, value in (("b_rows", b), ("n_rows", n)):  # chunks of whole rows, as pi0align writes them
+            f.create_dataset(name, data=value, chunks=(64, 70), **filters)
     with h5py.File(tmp_path / "t.h5", "r") as f:
         from pi0align.compare.reading.h5chunks import chunk_layout
 
         assert chunk_layout(f["b"]) is not None  # read chunk by chunk, not through h5py
         expected = tensor_metrics(b, n, workers=1, loops=loops)
+        assert expected["max_row_rel_l2_err"] > expected["rel_l2_err"]
+        # chunks that split rows do not measure the largest row error
+        split_rows = {**expected, "max_row_rel_l2_err": np.nan}
         for workers in (1, 3):
             got = tensor_metrics(f["b"], f["n"], chunk_elements=5000, workers=workers, loops=loops)
+            assert got == pytest.approx(split_rows, rel=1e-9, nan_ok=True)
+            got = tensor_metrics(f["b_rows"], f["n_rows"], chunk_elements=5000, workers=workers, loops=loops)
             assert got == pytest.approx(expected, rel=1e-9)
         bf16 = tensor_metrics(Bfloat16Array(f["b16"]), Bfloat16Array(f["n16"]), workers=2, loops=loops)
         in_memory = tensor_metrics(Bfloat16Array(f["b16"][()]), Bfloat16Array(f["n16"][()]), loops=loops)
-        assert bf16 == pytest.approx(in_memory, rel=1e-9)
+        assert bf16 == pytest.approx({**in_memory, "max_row_rel_l2_err": np.nan}, rel=1e-9, nan_ok=True)
 
 
 
@@ -182,3 +189,34 @@ def test_compiled_and_numpy_loops_agree(dtype):
         assert compiled_rows[key] == pytest.approx(values, rel=1e-12, nan_ok=True), key
     if dtype != "int32":
         assert compiled["nan_inf_mismatch"] == 2 and compiled["max_rel_err"] == np.inf
+
+
+def _largest_row_error(b: np.ndarray, n: np.ndarray) -> float:
+    """max over the rows of the last dimension of ‖n_r − b_r‖ / ‖b_r‖, NaN/Inf positions left out."""
+    rows = b.shape[-1] if b.ndim > 1 else max(b.size, 1)
+    b, n = (np.asarray(x, np.float64).reshape(-1, rows) for x in (b, n))
+    kept = np.isfinite(b) & np.isfinite(n)
+    d, b = np.where(kept, n - b, 0.0), np.where(kept, b, 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.sqrt((d * d).sum(1) / (b * b).sum(1))
+    return float(np.nan_to_num(ratio, nan=0.0).max())
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (5, 1), (40, 56, 1), (8, 56, 256), (3, 70001)])
+def test_the_largest_row_error_is_taken_over_the_last_dimension_on_every_path(shape, loops):
+    """The worst row's relative L2 error (the product bound of a per-row scale, bounds.py): rows of
+    zeros, a row further off than the rest, NaN where both sides hold one; in memory and read in
+    row ranges, by either loops."""
+    rng = np.random.default_rng(2)
+    b = rng.standard_normal(shape).astype(np.float32)
+    n = (b * (1 + 1e-3 * rng.standard_normal(shape))).astype(np.float32)
+    if b.ndim > 1:
+        b[0], n[0] = 0.0, 0.0
+        n[-1] *= 1.02
+    if b.size > 10:
+        b.flat[3] = n.flat[3] = np.nan
+    expected = _largest_row_error(b, n)
+    assert expected > 0
+    for how in ({}, {"chunk_elements": 1000, "workers": 3}):
+        assert tensor_metrics(b, n, loops=loops, **how)["max_row_rel_l2_err"] == pytest.approx(expected, rel=1e-9)
+    assert np.isnan(sample_metrics(b.reshape(1, -1), n.reshape(1, -1), loops)["max_row_rel_l2_err"]).all()

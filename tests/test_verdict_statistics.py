@@ -20,6 +20,7 @@ from pi0align.compare.judging.bounds import conditions, invariant_errors
 from pi0align.compare.judging.judge import Judgement
 from pi0align.compare.judging.rootcause import culprit_order
 from pi0align.compare.table import Table
+from pi0align.dump.perturb import UlpMover
 from pi0align.testing.devices import Fault, UlpNoise
 
 # -- conditions, from hand-built records ---------------------------------------------------------
@@ -27,7 +28,8 @@ from pi0align.testing.devices import Fault, UlpNoise
 
 def _records(*calls: tuple[str, list[tuple]]) -> tuple[Table, Table, np.ndarray]:
     """Calls (api, records) of forward API calls, each record (role, arg_index, norm, min, max,
-    mean, shape); side A's statistics, as call_table hands them to bounds.py."""
+    mean, shape); side A's statistics, as call_table hands them to bounds.py (no tensor compared:
+    the tensor metrics are NaN)."""
     rows = [(i, *record) for i, (_, records) in enumerate(calls) for record in records]
     call_of, role, arg, norm, low, high, mean, shape = (list(column) for column in zip(*rows))
     table = Table({"rank": np.zeros(len(calls), np.int64), "step": np.zeros(len(calls), np.int64),
@@ -37,7 +39,8 @@ def _records(*calls: tuple[str, list[tuple]]) -> tuple[Table, Table, np.ndarray]
     records = Table({"role": np.array(role, object), "arg_index": np.array(arg, np.int64),
                      "direction": np.full(len(rows), "forward", object), "norm_a": np.array(norm, float),
                      "min_a": np.array(low, float), "max_a": np.array(high, float), "mean_a": np.array(mean, float),
-                     "shape_a": np.array(shape, object), "mean_val_rel_err": np.zeros(len(rows))})
+                     "shape_a": np.array(shape, object), "mean_val_rel_err": np.zeros(len(rows)),
+                     "rel_l2_err": np.full(len(rows), np.nan), "max_row_rel_l2_err": np.full(len(rows), np.nan)})
     return table, records, np.array(call_of, np.int64)
 
 
@@ -68,6 +71,25 @@ def test_each_api_is_conditioned_by_what_its_statistics_say():
                 (5.0, "exponential"), (1.0, ""), (1.0, "")]
     assert list(rule) == [r for _, r in expected]
     assert condition == pytest.approx([c for c, _ in expected])
+
+
+def test_a_product_by_a_per_row_scale_is_bounded_by_its_factors_worst_rows():
+    """x * s with s constant along x's rows (RMSNorm's x * rsqrt(mean(x²) + eps)): every row of the
+    product is a row of x scaled by one number, so the rows' own errors bound it, C = (ρ_x + ρ_s) /
+    e_in, whatever the scales; taken only where both factors' rows were measured (full tensors)
+    and one is a per-row scale."""
+    x, out = ("input", 0, 1.0, -1.0, 1.0, 0.0, "[4, 8]"), ("output", 0, 1.0, -1.0, 1.0, 0.0, "[4, 8]")
+    calls, records, of = _records(("Tensor.mul", [x, ("input", 1, 2.0, 0.5, 9.0, 3.0, "[4, 1]"), out]),
+                                  ("Torch.mul", [x, ("input", 1, 2.0, 0.5, 9.0, 3.0, "[]"), out]),
+                                  ("Tensor.mul", [x, ("input", 1, 2.0, 0.5, 1.0, 0.7, "[4, 8]"), out]),
+                                  ("Tensor.mul", [x, ("input", 1, 2.0, 0.5, 9.0, 3.0, "[4, 1]"), out]),
+                                  ("Tensor.add", [x, ("input", 1, 2.0, 0.5, 9.0, 3.0, "[4, 1]"), out]))
+    measured = [True] * 9 + [False] * 3 + [True] * 3  # the fourth call: statistics only
+    records["rel_l2_err"] = np.where(measured, np.tile([1e-4, 1e-5, 0.0], 5), np.nan)
+    records["max_row_rel_l2_err"] = np.where(measured, np.tile([6e-3, 2e-3, 0.0], 5), np.nan)
+    condition, rule = conditions(calls, records, of)
+    assert list(rule) == ["row-scaled product", "row-scaled product", "product", "product", "cancellation"]
+    assert condition[:4] == pytest.approx([80.0, 80.0, 2.0, 2.0])
 
 
 def test_the_gradient_of_a_root_is_conditioned_by_how_close_its_forward_input_comes_to_zero():
@@ -112,6 +134,22 @@ def test_culprits_are_ranked_where_the_error_starts_unless_a_later_one_is_clearl
 # -- end to end: rms_norm in bf16 under ulp noise ---------------------------------------------------
 
 
+def _dump_one_step(path, make_model, batch: torch.Tensor, mode: str, *emulations) -> None:
+    """One training step of `make_model()` (seeded) on `batch`, dumped at level mix in `mode`, on a
+    device emulated by `emulations` (each made from the model), if any."""
+    from pi0align.dump import Dumper
+
+    torch.manual_seed(0)
+    model = make_model()
+    manifest = {"device_name": "emulated"} if emulations else None
+    with contextlib.ExitStack() as emulated, Dumper(path, mode=mode, level="mix", manifest=manifest) as dumper:
+        for make in emulations:
+            emulated.enter_context(make(model))
+        dumper.start(model)
+        model(batch).float().square().mean().backward()
+        dumper.step()
+
+
 class _RmsBlock(torch.nn.Module):
     """Linear → F.rms_norm with a weight of its own → Linear."""
 
@@ -138,19 +176,10 @@ class _RmsBlocks(torch.nn.Module):
 def test_an_rms_norm_under_noise_is_aligned_and_one_3_percent_off_the_culprit(tmp_path):
     """F.rms_norm divides by its input's RMS, which an error moves with it (C = 1, docs/compare.md):
     bf16 ulp noise is aligned from statistics; one rms_norm × 1.03 (4 ulps of bf16) is the culprit."""
-    from pi0align.dump import Dumper
+    x = torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
 
-    def dump(path, *modes_of) -> None:
-        torch.manual_seed(0)
-        model = _RmsBlocks().bfloat16()
-        x = torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
-        manifest = {"device_name": "emulated"} if modes_of else None
-        with contextlib.ExitStack() as emulated, Dumper(path, mode="stats", level="mix", manifest=manifest) as dumper:
-            for make in modes_of:
-                emulated.enter_context(make(model))
-            dumper.start(model)
-            model(x).float().square().mean().backward()
-            dumper.step()
+    def dump(path, *emulations) -> None:
+        _dump_one_step(path, lambda: _RmsBlocks().bfloat16(), x, "stats", *emulations)
 
     noise = lambda model: UlpNoise(1, seed=4)  # noqa: E731
     dump(tmp_path / "a")
@@ -161,6 +190,86 @@ def test_an_rms_norm_under_noise_is_aligned_and_one_3_percent_off_the_culprit(tm
     faulty = compare_dumps(tmp_path / "a", tmp_path / "fault", replay=False)
     assert faulty.verdict == "diverged" and faulty.culprits[0].api == "Functional.rms_norm"
     assert faulty.culprits[0].module == "blocks.2" and faulty.culprits[0].direction == "forward"
+
+
+class _GemmaRmsNorm(torch.nn.Module):
+    """transformers' Gemma RMSNorm: in float32, x * rsqrt(mean(x²) + eps), then × (1 + weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(0.1 * torch.randn(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.float()
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+class _PaddedLayers(torch.nn.Module):
+    """Linear → Gemma RMSNorm → Linear, twice, on tokens some of which are padding (zero) and
+    some nearly so: the norm scales each row to the same RMS, so its product grows the relative
+    error of the rows of small norm far beyond their share of the whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.ModuleList(torch.nn.Linear(64, 64, bias=False) for _ in range(2))
+        self.norm = torch.nn.ModuleList(_GemmaRmsNorm() for _ in range(2))
+        self.b = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for a, norm, b in zip(self.a, self.norm, self.b):
+            x = x + b(norm(a(x)))
+        return x
+
+
+class _RowNoise(torch.overrides.TorchFunctionMode):
+    """The first linear inside `module`'s forward with the results of some tokens (rows 8 to 11)
+    moved by an ulp: another accumulation order for those rows alone, as another thread count's
+    blocking gives."""
+
+    def __init__(self, module: torch.nn.Module, seed: int) -> None:
+        super().__init__()
+        self.module, self.mover, self.running = module, UlpMover(1, seed), False
+        self.module.register_forward_pre_hook(lambda *_: setattr(self, "running", True))
+        self.module.register_forward_hook(lambda *_: setattr(self, "running", False))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if self.running and func is torch.nn.functional.linear:
+            with torch._C.DisableTorchFunction():
+                moved = result.detach().clone()
+                moved[:, 8:12] = self.mover.move(moved[:, 8:12])
+                return result + (moved - result).detach()
+        return result
+
+
+@pytest.mark.parametrize("noisy", ["a.0", "a.1"])
+def test_products_by_per_row_scales_under_noise_are_aligned_and_one_3_percent_off_the_culprit(noisy, tmp_path):
+    """Full tensors without replay: tokens of small norm an ulp off, through a Gemma RMSNorm that
+    scales every token to the same RMS, are aligned (its x * rsqrt(...) is bounded by its
+    factors' worst rows, the gradient of its square is a product: docs/compare.md, Bounds; before,
+    that product or that gradient was named); the second layer's product × 1.03, or the gradient
+    of its square, is the culprit."""
+    x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1))
+    x[:, 12:] = 0.0  # padding
+    x[:, 8:12] *= 1e-2  # tokens of small norm
+
+    def dump(path, *emulations) -> None:
+        _dump_one_step(path, lambda: _PaddedLayers().bfloat16(), x.bfloat16(), "tensor", *emulations)
+
+    noise = lambda model: _RowNoise(model.get_submodule(noisy), seed=4)  # noqa: E731
+    dump(tmp_path / "a")
+    dump(tmp_path / "noise", noise)
+    quiet = compare_dumps(tmp_path / "a", tmp_path / "noise", replay=False)
+    assert (quiet.verdict, quiet.culprits) == ("aligned", []), [(c.name, c.direction) for c in quiet.culprits]
+    for func, backward, culprit in ((torch.Tensor.mul, False, ("norm.1/Tensor.mul#0", "forward")),
+                                    (torch.Tensor.pow, True, ("norm.1/Tensor.pow#0", "backward"))):
+        fault = lambda model: Fault(model.norm[1], func, 0, 1.03, backward=backward)  # noqa: B023, E731
+        dump(tmp_path / func.__name__, noise, fault)
+        faulty = compare_dumps(tmp_path / "a", tmp_path / func.__name__, replay=False)
+        assert faulty.verdict == "diverged", faulty.verdict
+        assert (faulty.culprits[0].name, faulty.culprits[0].direction) == culprit, \
+            [(c.name, c.direction) for c in faulty.culprits]
 
 
 # -- end to end: a softmax on bf16 logits with a large spread ----------------------------------

@@ -45,7 +45,12 @@ FLOOR_UNITS_HALF, FLOOR_UNITS = 2.0, 16.0
 MATMULS = {"linear": (0, 1), "matmul": (0, 1), "__matmul__": (0, 1), "mm": (0, 1), "bmm": (0, 1), "mv": (0, 1),
            "addmm": (1, 2), "baddbmm": (1, 2)}
 # products: the factors' relative errors add, C = 2 where two tensors are multiplied
-PRODUCTS = frozenset({"mul", "__mul__", "__rmul__", "__imul__", "mul_", "multiply", "addcmul", "addcmul_"})
+MULTIPLICATIONS = frozenset({"mul", "__mul__", "__rmul__", "__imul__", "mul_", "multiply"})
+PRODUCTS = MULTIPLICATIONS | {"addcmul", "addcmul_"}
+# where one factor is constant along the other's rows (its last dimension 1: a per-row scale, as
+# RMSNorm's x * rsqrt(mean(x²) + eps)), the rows' own errors bound the product's, whatever scale
+# each row gets: ‖δ(a s)‖ ≤ (ρ_a + ρ_s) ‖a s‖, ρ a factor's largest relative L2 error of a row
+# (full tensors only: `_row_scaled_product_conditions`)
 # quotients and roots: (the input near zero, C from its R = max|x| / min|x|): an error of e max|x|
 # is e R relative at the element closest to zero (R infinite where x reaches zero)
 QUOTIENTS = {**dict.fromkeys(("div", "__truediv__", "__itruediv__", "div_", "true_divide", "divide"),
@@ -123,7 +128,9 @@ def conditions(calls: Table, records: Table, call_of_record: np.ndarray) -> tupl
     apply(_summing_conditions(calls, records, call_of_record), "gradient sum")
     apply(_selection_conditions(calls, records, call_of_record, function), "selection")
     apply(np.where(forward & np.isin(function, list(PRODUCTS)), np.minimum(2.0, of.count("input")), 1.0), "product")
+    apply(_row_scaled_product_conditions(function, forward, of), "row-scaled product")
     apply(np.where(forward & np.isin(function, list(POWERS)), 2.0, 1.0), "power")
+    apply(_product_gradient_conditions(calls, function, of), "product gradient")
     for name, (index, from_ratio) in QUOTIENTS.items():
         at = np.flatnonzero(forward & (function == name))
         if len(at):
@@ -196,6 +203,11 @@ class _CallRecords:
         """max |x| of each call's tensor of that role and index (its finite extremes)."""
         return self._of(self.scales, at, role, index)
 
+    def input_values(self, column: str, at: np.ndarray) -> np.ndarray:
+        """A records' column (float) of each call's first two inputs: 2 × len(at), NaN where none."""
+        values = self.records[column].astype(np.float64)
+        return np.stack([self._of(values, at, "input", index) for index in (0, 1)])
+
     def count(self, role: str) -> np.ndarray:
         """Per call, how many tensors of that role it has."""
         return np.bincount(self.call_of_record[self.records["role"] == role], minlength=self.n_calls)
@@ -261,6 +273,37 @@ def _softmax_gradient_conditions(calls: Table, of: _CallRecords, at: np.ndarray)
     largest = np.fmin(np.where(np.isnan(largest), 1.0, largest), 1.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         return 2.0 * largest * of.norm(at, "grad_output", 0) / of.norm(at, "grad_input", 0)
+
+
+def _product_gradient_conditions(calls: Table, function: np.ndarray, of: _CallRecords) -> np.ndarray:
+    """The gradients of products are products too: a factor's is g ⊙ the other factor, C = 2 where
+    the forward call multiplied two tensors (1 by a number, or where it was not recorded); a
+    power's is g ⊙ p x^(p-1), C = 2 as for the forward square. NaN elsewhere."""
+    at = np.flatnonzero((calls["direction"] == "backward") & np.isin(function, list(PRODUCTS | POWERS)))
+    saved = forward_calls(calls, at)
+    factors = np.where(saved >= 0, of.count("input")[np.maximum(saved, 0)], 1) if len(at) else np.zeros(0)
+    return _at(len(calls), at, np.where(np.isin(function[at], list(POWERS)), 2.0, np.minimum(2.0, factors)))
+
+
+def _row_scaled_product_conditions(function: np.ndarray, forward: np.ndarray, of: _CallRecords) -> np.ndarray:
+    """C = (ρ_a + ρ_s) / e_in for a product of two tensors, one of them constant along the other's
+    rows (its last dimension 1), ρ each factor's largest relative L2 error of a row along the last
+    dimension and e_in the larger of their relative L2 errors: every row of a s is a row of a times
+    one element of s, so its relative error is at most ρ_a + ρ_s, and so is the whole's. NaN (the
+    rule not taken) elsewhere, and where a factor's rows were not measured (statistics, samples)."""
+    condition = np.full(of.n_calls, np.nan)
+    at = np.flatnonzero(forward & np.isin(function, list(MULTIPLICATIONS)) & (of.count("input") == 2))
+    if not len(at):
+        return condition
+    shapes = of.records["shape_a"]
+    last = [np.array([(_last_dimension(str(shapes[i])) or 1) if i >= 0 else 0  # a 0-d tensor's: 1
+                      for i in of.record(at, "input", index).tolist()]) for index in (0, 1)]
+    row_error, error = (of.input_values(column, at) for column in ("max_row_rel_l2_err", "rel_l2_err"))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = row_error.sum(0) / error.max(0)
+    scaled = np.minimum(*last) == 1  # both found, one of them a per-row scale
+    condition[at] = np.where(scaled & np.isfinite(ratio), ratio, np.nan)
+    return condition
 
 
 def _matmul_conditions(function: np.ndarray, of: _CallRecords) -> np.ndarray:

@@ -7,7 +7,9 @@ metrics.py and h5chunks.py take the choice at construction.
 
 Sums, per row, in the order of FIELDS: dot products and squared norms (a.b, a.a, b.b, d.d with
 d = b - a), the sum of relative errors |d|/|a|, counts within 1e-3 and 5e-3 relative error, the
-count of compared elements, the count of NaN/Inf mismatches, then the maxima of |d| and |d|/|a|.
+count of compared elements, the count of NaN/Inf mismatches, then the maxima of |d|, of |d|/|a|
+and of the relative L2 error ‖d_r‖/‖a_r‖ of the tensor's rows (runs of `row_length` elements, its
+last dimension; NaN where the elements summed are not whole rows).
 Positions where either side is NaN or Inf are not compared: they are a mismatch unless both sides
 hold NaN, or the same infinity (docs/compare.md).
 """
@@ -23,8 +25,8 @@ import numpy as np
 from pi0align.compare.reading.records import Bfloat16Array
 from pi0align.native import Library
 
-FIELDS = ("ab", "aa", "bb", "dd", "rel", "w1", "w5", "n", "mismatch", "max_abs", "max_rel")
-SUMMED = 9  # FIELDS[:SUMMED] add up across chunks; the last two are maxima
+FIELDS = ("ab", "aa", "bb", "dd", "rel", "w1", "w5", "n", "mismatch", "max_abs", "max_rel", "max_row_rel")
+SUMMED = 9  # FIELDS[:SUMMED] add up across chunks; the rest are maxima
 
 # Reassociation lets the compiler vectorise the sums; NaN and Inf keep their IEEE meaning
 # (no -ffinite-math-only), which the masked path relies on.
@@ -39,7 +41,7 @@ _BFLOAT16 = 2
 
 _FUNCTIONS = {
     "pi0align_error_sums": [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
-                            ctypes.c_int64, ctypes.c_void_p],
+                            ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p],
     "pi0align_unshuffle": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p],
 }
 
@@ -51,14 +53,17 @@ class CompiledLoops:
         self._error_sums, self._unshuffle = (functions[name] for name in _FUNCTIONS)
         self.status = "compiled"
 
-    def error_sums(self, a: np.ndarray, b: np.ndarray, bfloat16: bool, sums: np.ndarray, scratch: dict) -> None:
+    def error_sums(self, a: np.ndarray, b: np.ndarray, bfloat16: bool, sums: np.ndarray, scratch: dict,
+                   row_length: int = 0) -> None:
         """Adds the sums of rows of a and b (2-D, same shape; bfloat16: both hold raw bfloat16 bits)
         into sums (rows x len(FIELDS), float64, C-contiguous). `scratch`: the caller's reusable
-        temporaries (one dict per thread)."""
+        temporaries (one dict per thread). `row_length`: each row of a is whole tensor rows of that
+        many elements (0: it is not, and max_row_rel becomes NaN)."""
         if a.ndim != 2 or a.shape != b.shape or sums.shape != (a.shape[0], len(FIELDS)):
             raise ValueError(f"error_sums: shapes {a.shape}, {b.shape} and sums {sums.shape} do not match")
         (a, kind_a), (b, kind_b) = (_as_kind(x, bfloat16) for x in (a, b))
-        self._error_sums(a.ctypes.data, kind_a, b.ctypes.data, kind_b, a.shape[0], a.shape[1], sums.ctypes.data)
+        self._error_sums(a.ctypes.data, kind_a, b.ctypes.data, kind_b, a.shape[0], a.shape[1], row_length,
+                         sums.ctypes.data)
 
     def unshuffle(self, planes: np.ndarray, itemsize: int, out: memoryview) -> np.ndarray:
         """The bytes of the elements (2, 4 or 8 bytes each) whose shuffled bytes are `planes`
@@ -74,14 +79,16 @@ class NumpyLoops:
     def __init__(self, why: str = "chosen") -> None:
         self.status = f"numpy: {why}"
 
-    def error_sums(self, a: np.ndarray, b: np.ndarray, bfloat16: bool, sums: np.ndarray, scratch: dict) -> None:
+    def error_sums(self, a: np.ndarray, b: np.ndarray, bfloat16: bool, sums: np.ndarray, scratch: dict,
+                   row_length: int = 0) -> None:
         a, b = ((Bfloat16Array.decode(x) if bfloat16 else x).astype(np.float64, copy=False) for x in (a, b))
-        part = _partial_sums(a, b, scratch)
+        part = _partial_sums(a, b, scratch, row_length)
         if not np.isfinite(part["aa"] + part["bb"]).all():  # rare: a NaN or Inf somewhere, mask it out
-            part = _partial_sums(a, b, scratch, mask_nonfinite=True)
+            part = _partial_sums(a, b, scratch, row_length, mask_nonfinite=True)
         summed = [np.broadcast_to(part.get(k, 0.0), len(sums)) for k in FIELDS[:SUMMED]]
         sums[:, :SUMMED] += np.stack(summed, 1)
-        np.maximum(sums[:, SUMMED:], np.stack([part["max_abs"], part["max_rel"]], 1), out=sums[:, SUMMED:])
+        # NaN-sticky, as the compiled loops: a stream not of whole rows stays unmeasured
+        np.maximum(sums[:, SUMMED:], np.stack([part[k] for k in FIELDS[SUMMED:]], 1), out=sums[:, SUMMED:])
 
     def unshuffle(self, planes: np.ndarray, itemsize: int, out: memoryview) -> np.ndarray:
         elements = np.frombuffer(out, np.uint8).reshape(-1, itemsize)
@@ -109,7 +116,20 @@ def _dot(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.einsum("ij,ij->i", x, y)
 
 
-def _partial_sums(a: np.ndarray, b: np.ndarray, scratch: dict, mask_nonfinite: bool = False) -> dict[str, np.ndarray]:
+def _largest_row_error(a: np.ndarray, d: np.ndarray, row_length: int) -> np.ndarray:
+    """Per row of a, the largest ‖d_r‖ / ‖a_r‖ over its runs of row_length elements (0/0 = 0,
+    x/0 = inf); NaN where its elements are not whole runs."""
+    if row_length <= 0 or a.shape[-1] % row_length:
+        return np.full(len(a), np.nan)
+    runs = (len(a), -1, row_length)
+    dd, aa = (np.einsum("ijk,ijk->ij", x.reshape(runs), x.reshape(runs)) for x in (d, a))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(aa > 0, np.sqrt(dd / np.where(aa > 0, aa, 1.0)), np.where(dd > 0, np.inf, 0.0))
+    return ratio.max(-1, initial=0.0)
+
+
+def _partial_sums(a: np.ndarray, b: np.ndarray, scratch: dict, row_length: int,
+                  mask_nonfinite: bool = False) -> dict[str, np.ndarray]:
     """Per-row sums and maxima of one chunk. Memory passes bound throughput, and fresh large
     arrays cost page faults, so temporaries live in `scratch` and are reused chunk after chunk."""
     part = {}
@@ -128,6 +148,7 @@ def _partial_sums(a: np.ndarray, b: np.ndarray, scratch: dict, mask_nonfinite: b
     with np.errstate(invalid="ignore", over="ignore"):
         np.subtract(b, a, out=d)
         part.update(n=a.shape[-1] - masked, ab=_dot(a, b), aa=_dot(a, a), bb=_dot(b, b), dd=_dot(d, d))
+        part["max_row_rel"] = _largest_row_error(a, d, row_length)
         np.abs(d, out=d)
         part["max_abs"] = d.max(-1, initial=0.0)
         np.abs(a, out=rel)

@@ -16,9 +16,10 @@ from pi0align.compare.measuring.kernels import FIELDS, SUMMED, CompiledLoops, Nu
 from pi0align.compare.reading.records import Bfloat16Array, iter_flat_chunks
 
 TENSOR_METRICS = ["cosine", "max_abs_err", "max_rel_err", "mean_rel_err", "rel_l2_err", "rmse",
-                  "within_1e-3", "within_5e-3", "nan_inf_mismatch"]
+                  "within_1e-3", "within_5e-3", "nan_inf_mismatch", "max_row_rel_l2_err"]
 STATS_METRICS = ["min_rel_err", "max_val_rel_err", "mean_val_rel_err", "norm_rel_err"]
 WORKERS = min(4, os.cpu_count() or 1)
+_AA, _DD, _MAX_ROW_REL = (FIELDS.index(field) for field in ("aa", "dd", "max_row_rel"))
 CHUNK_ELEMENTS = 1 << 18  # elements read per side at a time from arrays not stored in HDF5 chunks
 
 
@@ -41,10 +42,11 @@ class ErrorAccumulator:
         self._scratch: dict = {}
         self._loops = loops
 
-    def add(self, a: np.ndarray, b: np.ndarray, bfloat16: bool = False) -> None:
+    def add(self, a: np.ndarray, b: np.ndarray, bfloat16: bool = False, row_length: int = 0) -> None:
         """a, b: one row (1-D) or rows (2-D) at the same positions, any numeric dtype;
-        bfloat16: both hold raw bfloat16 bits (uint16)."""
-        self._loops.error_sums(np.atleast_2d(a), np.atleast_2d(b), bfloat16, self._sums, self._scratch)
+        bfloat16: both hold raw bfloat16 bits (uint16); row_length: each row is whole tensor rows of
+        that many elements, whose largest relative L2 error is taken (0: it is not)."""
+        self._loops.error_sums(np.atleast_2d(a), np.atleast_2d(b), bfloat16, self._sums, self._scratch, row_length)
 
     def merge(self, other: ErrorAccumulator) -> None:
         self._sums[:, :SUMMED] += other._sums[:, :SUMMED]
@@ -78,6 +80,8 @@ def metrics_of_sums(sums: np.ndarray) -> dict[str, np.ndarray]:
             "rmse": np.sqrt(s["dd"] / n),
             "within_1e-3": s["w1"] / n,
             "within_5e-3": s["w5"] / n,
+            # the worst row along the last dimension (the product bound of a per-row scale, bounds.py)
+            "max_row_rel_l2_err": s["max_row_rel"],
         }
     for key in out:
         out[key] = np.where(np.isnan(n), np.nan, out[key])
@@ -93,18 +97,24 @@ def tensor_sums(a: Any, b: Any, chunk_elements: int = CHUNK_ELEMENTS, workers: i
     (h5chunks.py); other arrays are read `chunk_elements` at a time, in row ranges whose
     arithmetic, which releases the GIL, runs in parallel; arrays already in memory and of one
     chunk at most are summed in one pass as they are. `loops`: the compiled loops where they build,
-    unless given."""
+    unless given. The rows whose largest error is taken are the last dimension's: every path
+    reads whole ones, but for a tensor of one dimension or none, which is one row."""
     loops = loops or comparison_loops()
+    shape = tuple(np.shape(a))
+    row_length = shape[-1] if len(shape) > 1 else 0  # 0: one row, measured from the sums below
     if _in_memory(a) and _in_memory(b) and np.size(a) <= chunk_elements:
         accumulators = [ErrorAccumulator(1, loops)]
-        accumulators[0].add(np.reshape(a, -1), np.reshape(b, -1))
+        accumulators[0].add(np.reshape(a, -1), np.reshape(b, -1), row_length=row_length)
     else:
-        accumulators = _reduce_stored_chunks(a, b, workers, loops) or _reduce_row_ranges(
-            a, b, chunk_elements, workers, loops)
+        accumulators = _reduce_stored_chunks(a, b, workers, loops, row_length) or _reduce_row_ranges(
+            a, b, chunk_elements, workers, loops, row_length)
     total = accumulators[0]
     for other in accumulators[1:]:
         total.merge(other)
-    return total.sums[0]
+    sums = total.sums[0]
+    if len(shape) <= 1:
+        sums[_MAX_ROW_REL] = relative(np.sqrt(sums[_DD]), np.sqrt(sums[_AA]))
+    return sums
 
 
 def _in_memory(x: Any) -> bool:
@@ -112,7 +122,7 @@ def _in_memory(x: Any) -> bool:
     return isinstance(x, (np.ndarray, np.generic)) and not isinstance(x, np.memmap)
 
 
-def _reduce_stored_chunks(a: Any, b: Any, workers: int, loops: Loops) -> list[ErrorAccumulator] | None:
+def _reduce_stored_chunks(a: Any, b: Any, workers: int, loops: Loops, row_length: int) -> list[ErrorAccumulator] | None:
     # imported here: h5chunks loads hdf5plugin, needed only once tensors are read
     from pi0align.compare.reading.h5chunks import ChunkBuffers, chunk_pairs
 
@@ -123,13 +133,15 @@ def _reduce_stored_chunks(a: Any, b: Any, workers: int, loops: Loops) -> list[Er
     if stored is None:
         return None
     reader_a, reader_b, jobs = stored
+    if reader_a.chunks[-1] != row_length:  # a chunk holds parts of rows (rows longer than a chunk)
+        row_length = 0
 
     def reduce(part: list) -> ErrorAccumulator:
         acc = ErrorAccumulator(1, loops)
         buffers_a, buffers_b = ChunkBuffers(), ChunkBuffers()
         for offset, where_a, where_b in part:
             chunk_a, chunk_b = reader_a.read(offset, where_a, buffers_a), reader_b.read(offset, where_b, buffers_b)
-            acc.add(chunk_a.reshape(-1), chunk_b.reshape(-1), bfloat16)
+            acc.add(chunk_a.reshape(-1), chunk_b.reshape(-1), bfloat16, row_length)
         return acc
 
     try:
@@ -143,7 +155,8 @@ def _reduce_stored_chunks(a: Any, b: Any, workers: int, loops: Loops) -> list[Er
         reader_b.close()
 
 
-def _reduce_row_ranges(a: Any, b: Any, chunk_elements: int, workers: int, loops: Loops) -> list[ErrorAccumulator]:
+def _reduce_row_ranges(a: Any, b: Any, chunk_elements: int, workers: int, loops: Loops,
+                       row_length: int) -> list[ErrorAccumulator]:
     rows = a.shape[0] if len(a.shape) else 1
     per_row = max(1, int(np.prod(a.shape[1:], dtype=np.int64))) if len(a.shape) else 1
     parts = min(workers, max(1, rows * per_row // (4 * chunk_elements)), rows)
@@ -151,8 +164,8 @@ def _reduce_row_ranges(a: Any, b: Any, chunk_elements: int, workers: int, loops:
     def reduce(lo: int, hi: int) -> ErrorAccumulator:
         acc = ErrorAccumulator(1, loops)
         view_a, view_b = (_RowRange(x, lo, hi) for x in (a, b)) if len(a.shape) else (a, b)
-        for chunk_a, chunk_b in iter_flat_chunks(view_a, view_b, chunk_elements):
-            acc.add(chunk_a, chunk_b)
+        for chunk_a, chunk_b in iter_flat_chunks(view_a, view_b, chunk_elements):  # whole first-axis rows
+            acc.add(chunk_a, chunk_b, row_length=row_length)
         return acc
 
     bounds = np.linspace(0, rows, parts + 1).astype(int)

@@ -2,7 +2,9 @@
 // - pi0align_error_sums: one pass over both tensors gathers every sum the metrics need, reading
 //   each element once in its stored dtype: a.b, a.a, b.b, d.d (d = b - a), the sum of relative
 //   errors |d|/|a|, counts within 1e-3 and 5e-3, compared elements, NaN/Inf mismatches, then the
-//   maxima of |d| and |d|/|a|. NaN/Inf positions are not compared (docs/compare.md).
+//   maxima of |d|, |d|/|a| and of the rows' relative L2 errors ‖d_r‖/‖a_r‖ (rows: runs of
+//   row_length elements, a tensor's last dimension). NaN/Inf positions are not compared
+//   (docs/compare.md).
 // - pi0align_unshuffle: HDF5's shuffle filter undone word by word.
 #include <cfloat>
 #include <cmath>
@@ -13,7 +15,7 @@ namespace {
 
 constexpr int64_t BLOCK = 1024;  // elements staged per side at a time: stays in L1
 enum Kind { F64 = 0, F32 = 1, BF16 = 2, F16 = 3 };
-enum Field { AB, AA, BB, DD, REL, W1, W5, N, MISMATCH, MAX_ABS, MAX_REL, FIELDS };
+enum Field { AB, AA, BB, DD, REL, W1, W5, N, MISMATCH, MAX_ABS, MAX_REL, MAX_ROW_REL, FIELDS };
 
 float bits_to_float(uint32_t bits) { float f; std::memcpy(&f, &bits, 4); return f; }
 
@@ -86,6 +88,43 @@ void block_sums_masked(const double* x, const double* y, int64_t count, double* 
   }
 }
 
+// The largest relative L2 error of a row, over the rows of `length` elements a stream of staged
+// blocks holds; NaN-sticky in s[MAX_ROW_REL]: a stream that is not whole rows is not measured.
+struct RowErrors {
+  int64_t length, filled = 0;
+  double dd = 0, aa = 0;
+
+  explicit RowErrors(int64_t row_length, double* s) : length(row_length) {
+    if (length <= 0) s[MAX_ROW_REL] = NAN;
+  }
+
+  // finite: every element of the block is finite (else the non-finite positions are left out)
+  void add(const double* x, const double* y, int64_t count, bool finite, double* s) {
+    if (length <= 1) return;  // rows of one element: MAX_REL (end)
+    for (int64_t i = 0; i < count;) {
+      int64_t n = count - i < length - filled ? count - i : length - filled;
+      double row_dd = 0, row_aa = 0;
+      if (finite) {
+        for (int64_t k = i; k < i + n; ++k) { double d = y[k] - x[k]; row_dd += d * d; row_aa += x[k] * x[k]; }
+      } else {
+        for (int64_t k = i; k < i + n; ++k)
+          if (std::isfinite(x[k]) && std::isfinite(y[k])) { double d = y[k] - x[k]; row_dd += d * d; row_aa += x[k] * x[k]; }
+      }
+      dd += row_dd, aa += row_aa, filled += n, i += n;
+      if (filled == length) {
+        double r = aa > 0 ? std::sqrt(dd / aa) : (dd > 0 ? INFINITY : 0.0);
+        if (!std::isnan(s[MAX_ROW_REL])) s[MAX_ROW_REL] = std::fmax(s[MAX_ROW_REL], r);
+        filled = 0, dd = 0, aa = 0;
+      }
+    }
+  }
+
+  void end(double* s) const {
+    if (filled != 0) s[MAX_ROW_REL] = NAN;  // a row left partial: the stream was not whole rows
+    if (length == 1 && !std::isnan(s[MAX_ROW_REL])) s[MAX_ROW_REL] = std::fmax(s[MAX_ROW_REL], s[MAX_REL]);
+  }
+};
+
 int64_t item_size(int kind) { return kind == F64 ? 8 : kind == F32 ? 4 : 2; }
 
 template <typename Word>
@@ -104,20 +143,25 @@ void unshuffle_words(const uint8_t* planes, int64_t n, Word* out) {
 
 }  // namespace
 
-// rows x cols elements per side (row-major, contiguous); sums: rows x FIELDS, added to.
+// rows x cols elements per side (row-major, contiguous); sums: rows x FIELDS, added to. Each row of
+// cols elements is whole tensor rows of row_length elements (0: not so; MAX_ROW_REL becomes NaN).
 extern "C" void pi0align_error_sums(const void* a, int kind_a, const void* b, int kind_b, int64_t rows,
-                                    int64_t cols, double* sums) {
+                                    int64_t cols, int64_t row_length, double* sums) {
   double x[BLOCK], y[BLOCK];
   for (int64_t row = 0; row < rows; ++row) {
     const char* row_a = static_cast<const char*>(a) + row * cols * item_size(kind_a);
     const char* row_b = static_cast<const char*>(b) + row * cols * item_size(kind_b);
     double* s = sums + row * FIELDS;
+    RowErrors row_errors(row_length, s);
     for (int64_t start = 0; start < cols; start += BLOCK) {
       int64_t count = cols - start < BLOCK ? cols - start : BLOCK;
       stage(row_a, kind_a, start, count, x);
       stage(row_b, kind_b, start, count, y);
-      if (!block_sums(x, y, count, s)) block_sums_masked(x, y, count, s);
+      bool finite = block_sums(x, y, count, s);
+      if (!finite) block_sums_masked(x, y, count, s);
+      row_errors.add(x, y, count, finite, s);
     }
+    row_errors.end(s);
   }
 }
 
