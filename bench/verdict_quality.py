@@ -1,12 +1,13 @@
 """The verdict's scoreboard: emulated devices (ulp noise, TF32 matmuls, one faulty call or its
 gradient, SDPA against manual attention) on toy models, runs that differ in the optimizer's eps,
 one sample of the batch, the seed or the dtype, a difference placed where each explanation rule
-applies (rule_cases), and real PI0 with 1 against 2 threads, each compared the way a user would:
-as dumped (with its noise reference or replay), and from statistics alone (the same runs dumped
-in stats mode, no reference, no replay: the intrinsic rule, as msprobe's statistics dumps are
-judged). Prints per case the verdict of each and whether it is right, with the first divergence
-and top culprit group where it is not; a benchmark to read, not a test (tests/test_verdict.py and
-tests/test_verdict_rules.py assert the acceptance cases).
+applies (rule_cases), and real PI0 with 1 against 2 threads, each compared the way a user would: as
+dumped (with its noise reference or replay), and from statistics alone (the same runs dumped in
+stats mode, no reference, no replay: the intrinsic rule, as msprobe's statistics dumps are judged),
+and, for full tensors, without replay (`--no-replay`). Prints per case the verdict of each and
+whether it is right, with the first divergence and top culprit group where it is not; a benchmark
+to read, not a test (tests/test_verdict.py and tests/test_verdict_rules.py assert the acceptance
+cases).
 
     .venv/bin/python bench/verdict_quality.py [--pi0] [--work DIR]
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from pi0align.testing.scenarios import pi0_cases, play, rule_cases, statistics_only, toy_cases
+from pi0align.testing.scenarios import pi0_cases, play, rule_cases, statistics_only, toy_cases, without_replay
 
 
 def main() -> None:
@@ -33,20 +34,25 @@ def main() -> None:
         work = args.work or Path(temporary)
         work.mkdir(parents=True, exist_ok=True)
         made: dict = {}
-        print(f"{'case':60} {'expected':9} {'as dumped':40} statistics only")
-        scores = [0, 0]
+        labels = ("as dumped", "statistics only", "full tensors, no replay")
+        print(f"{'case':60} {'expected':9} " + " ".join(f"{label:40}" for label in labels))
+        scores, played = [0] * len(labels), [0] * len(labels)
         for case in cases:
             answers = []
-            for column, judged in enumerate((case, statistics_only(case))):
+            for column, judged in enumerate((case, statistics_only(case), without_replay(case))):
+                if judged is None:  # no full tensors, or not replayed anyway
+                    answers.append(None)
+                    continue
                 result, right = play(judged, work, made)
                 scores[column] += right
+                played[column] += 1
                 answers.append((result, right))
-            shown = [f"{_verdict(result)} {'right' if right else 'WRONG'}" for result, right in answers]
-            print(f"{case.name:60} {case.verdict:9} {shown[0]:40} {shown[1]}")
-            for label, (result, right) in zip(("as dumped", "statistics only"), answers):
-                if not right:
-                    print(f"{'':60} {label}: {_first(result)}; expected {_expected(case)}")
-        print(f"score: {scores[0]}/{len(cases)} right as dumped, {scores[1]}/{len(cases)} from statistics only")
+            shown = [f"{_verdict(a[0])} {'right' if a[1] else 'WRONG'}" if a else "-" for a in answers]
+            print(f"{case.name:60} {case.verdict:9} " + " ".join(f"{s:40}" for s in shown))
+            for label, answer in zip(labels, answers):
+                if answer and not answer[1]:
+                    print(f"{'':60} {label}: {_first(answer[0])}; expected {_expected(case)}")
+        print("score: " + ", ".join(f"{s}/{n} right {label}" for s, n, label in zip(scores, played, labels)))
 
 
 def _verdict(result) -> str:

@@ -14,7 +14,7 @@ import contextlib
 import pytest
 import torch
 
-from pi0align.testing.scenarios import Case, ToyRun, kind_cases, pi0_cases, play, toy_cases
+from pi0align.testing.scenarios import Case, ToyRun, kind_cases, pi0_cases, play, toy_cases, without_replay
 
 CASES = toy_cases()
 # In CI only, for the suite's budget: the transformer's culprit-kind cases, and the MLP's in tensor
@@ -51,6 +51,9 @@ def test_emulated_device(case, workbench):
     if case.top is not None and result.culprits[0].evidence == "replay":
         top = result.culprits[0]
         assert top.wrong_side == "B" and top.local_error_b > top.local_error_a
+    if without_replay(case) is not None:  # full tensors judged by their bounds alone (--no-replay)
+        unreplayed, right = play(without_replay(case), *workbench)
+        assert right, _explain(case, unreplayed)
 
 
 def _case(name: str) -> Case:
@@ -95,18 +98,20 @@ def test_tf32_matmuls_are_one_finding_the_matmul_family(workbench):
             assert group.share_introducing >= 0.5 and "TF32 or HF32" in group.hint, (case.name, group)
 
 
-@pytest.mark.slow  # four PI0 small runs with full tensors, and three replayed compares
+@pytest.mark.slow  # four PI0 small runs with full tensors, three compares with replay and three without
 @pytest.mark.parametrize("case", pi0_cases(steps=1), ids=lambda c: c.name)
 def test_real_pi0_threads(case, tmp_path_factory):
     """Real PI0 small, bf16, 1 against 2 threads, tensor mode: aligned with no culprit; with one call
     of the Gemma action expert 3% off, or an RMSNorm's rsqrt gradient: that call is the top
-    culprit, and B the wrong side."""
+    culprit, and B the wrong side. Without replay, the same answers."""
     work = tmp_path_factory.getbasetemp() / "pi0-threads"
     made = _PI0_RUNS.setdefault("made", {})
     work.mkdir(exist_ok=True)
     result, right = play(case, work, made)
     assert right, _explain(case, result)
     assert result.noise_model == "replay"
+    unreplayed, right = play(without_replay(case), work, made)
+    assert right, _explain(case, unreplayed)
     if case.verdict == "aligned":
         assert result.rows_over_dtype_limits > 0  # bf16 thread noise is real: the fixed limits fail it
     else:

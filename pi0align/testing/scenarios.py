@@ -403,6 +403,14 @@ def statistics_only(case: Case) -> Case:
                    replay=False)
 
 
+def without_replay(case: Case) -> Case | None:
+    """The same full-tensor case compared without replay (`--no-replay`): the intrinsic rule on full
+    tensors; None where a run holds no full tensors or the case is not replayed anyway."""
+    if not case.replay or case.a.mode != "tensor" or case.b.mode != "tensor":
+        return None
+    return replace(case, name=case.name + " [no replay]", replay=False)
+
+
 def play(case: Case, work: Path, made: dict) -> tuple[object, bool]:
     """Dump the case's runs (each once: `made` maps a run to its dump folder) and compare them as a
     user would; returns the Comparison and whether its answer is right: the expected verdict, no

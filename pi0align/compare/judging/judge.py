@@ -15,7 +15,7 @@
 
 A kernel is beyond its bound when more error leaves it than its inputs, through its API's
 condition, and its own rounding explain, whatever its inputs hold; it must also stand out from
-what calls of the same API introduce elsewhere (STANDOUT × their median), unless its API is off
+what calls of the same API introduce elsewhere (a multiple of their median, STANDOUT), unless its API is off
 as a family (`family_off`). Downstream of the first culprit, a call judged by statistics is blamed
 by its bits alone (statistics hide what a LayerNorm's output holds, and the next call seems to
 amplify it). A module holding calls is judged by what entered it from no dumped call.
@@ -49,7 +49,11 @@ from pi0align.compare.table import Groups, Table, isin
 NOISE_MODELS = ("replay", "exact", "reference", "intrinsic")
 # where a call ran: (rank, step, phase of the step (rootcause.PHASES), sequence number)
 Position = tuple[int, int, int, float]
-STANDOUT = 4.0  # introduced error ≥ 4 × the median of its API's calls
+# introduced error ≥ this × the median of its API's calls, by the measure it was judged by: under
+# noise, an API's calls spread up to 2.8× around their median when judged by statistics (the
+# extremes and sums they see move with the elements they happen to hold), up to 1.5× by the
+# relative L2 error of full tensors (docs/compare.md, Bounds)
+STANDOUT = {"stats_rel_err": 4.0, "rel_l2_err": 2.0}
 FAMILY_UNITS = 256.0  # an API whose typical output error is this many unit roundoffs is off as a family
 MIN_PEERS = 4  # fewer calls of an API than this: no median to stand out from
 # Adam's second moment squares the gradient (twice its relative error) and the update divides by
@@ -214,9 +218,9 @@ def beyond_bound(calls: Table) -> np.ndarray:
 
 
 def stands_out(calls: Table) -> np.ndarray:
-    """Introduced error ≥ STANDOUT × the median of its peers: the calls of the same API and
-    direction under other names (the same call at another step is no peer: a faulty kernel is
-    faulty at every step); every call with fewer than MIN_PEERS peers."""
+    """Introduced error ≥ STANDOUT (of the measure it was judged by) × the median of its peers: the
+    calls of the same API and direction under other names (the same call at another step is no
+    peer: a faulty kernel is faulty at every step); every call with fewer than MIN_PEERS peers."""
     family = Groups(calls["api"], calls["direction"])
     introduced = calls["introduced_error"].astype(np.float64)
     typical, peers = np.full(len(calls), np.nan), np.zeros(len(calls), np.int64)
@@ -233,8 +237,9 @@ def stands_out(calls: Table) -> np.ndarray:
             for p in own:
                 family_typical[p], family_peers[p] = median, len(members) - len(own)
         typical[members], peers[members] = family_typical, family_peers
+    standout = np.where(calls["metric"] == "rel_l2_err", STANDOUT["rel_l2_err"], STANDOUT["stats_rel_err"])
     with np.errstate(invalid="ignore"):
-        return (peers < MIN_PEERS) | (introduced >= STANDOUT * typical)
+        return (peers < MIN_PEERS) | (introduced >= standout * typical)
 
 
 def median_without(ordered: list[float], removed: list[float]) -> float:
