@@ -15,10 +15,11 @@
 
 A kernel is beyond its bound when more error leaves it than its inputs, through its API's
 condition, and its own rounding explain, whatever its inputs hold; it must also stand out from
-what calls of the same API introduce elsewhere (a multiple of their median, STANDOUT), unless its API is off
-as a family (`family_off`). Downstream of the first culprit, a call judged by statistics is blamed
-by its bits alone (statistics hide what a LayerNorm's output holds, and the next call seems to
-amplify it). A module holding calls is judged by what entered it from no dumped call.
+what calls of the same API introduce elsewhere (a multiple of their median, STANDOUT, by the
+measure it was judged by), unless its API is off as a family (`family_off`). Downstream of the
+first culprit, a call judged by statistics is blamed by its bits alone (statistics hide what a
+LayerNorm's output holds, and the next call seems to amplify it). A module holding calls is
+judged by what entered it from no dumped call.
 
 The optimizer's update (kind `optimizer`) is judged as a whole: Adam's update is scale-free, so an
 element whose gradient is rounding noise moves by the learning rate either way. An update is a
