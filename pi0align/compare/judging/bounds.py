@@ -281,7 +281,7 @@ def _product_gradient_conditions(calls: Table, function: np.ndarray, of: _CallRe
     power's is g ⊙ p x^(p-1), C = 2 as for the forward square. NaN elsewhere."""
     at = np.flatnonzero((calls["direction"] == "backward") & np.isin(function, list(PRODUCTS | POWERS)))
     saved = forward_calls(calls, at)
-    factors = np.where(saved >= 0, of.count("input")[np.maximum(saved, 0)], 1) if len(at) else np.zeros(0)
+    factors = np.where(saved >= 0, of.count("input")[np.maximum(saved, 0)], 1)
     return _at(len(calls), at, np.where(np.isin(function[at], list(POWERS)), 2.0, np.minimum(2.0, factors)))
 
 
