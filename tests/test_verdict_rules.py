@@ -62,6 +62,28 @@ def test_a_gap_in_the_dumped_steps_names_the_steps_between(workbench):
     assert "between step 0 and 2" in hint and "steps that were not dumped" in hint
 
 
+@pytest.mark.parametrize("listed, faulty", [("0, 2 and 4", 1), ("2 and 4", 0)])
+def test_what_updates_not_dumped_made_of_noise_is_explained_and_a_gradient_off_among_them_is_not(listed, faulty,
+                                                                                                 workbench):
+    """A gap in the dumped steps, or a first dumped step past 0: the optimizer's states the next
+    dumped update reads were left by updates that were not dumped. Under noise (bf16, every result
+    moved by an ulp, by an emulated device that says so in its manifest) they part within what the
+    gradients at the gap's ends carry: aligned (before: diverged, a state or a parameter named). A
+    gradient 3x fp32's limit off in a step not dumped parts them beyond: that update is named."""
+    assert _play(f"mlp bf16 stats: ulp noise, steps {listed} dumped", workbench).explained.get("gap")
+    assert not _play(f"transformer fp32 stats: SDPA vs manual, steps {listed} dumped", workbench).culprits
+    result = _play(f"transformer fp32 stats: SDPA vs manual + a gradient 3x the limit off at step {faulty}, "
+                   f"steps {listed} dumped", workbench)
+    assert any("updates that were not dumped" in note for note in result.notes)
+
+
+def test_parameters_parted_by_the_first_dumped_step_of_runs_that_compute_alike_are_named(workbench):
+    """Runs whose manifests say they compute bit for bit alike cannot part by rounding: parameters
+    that differ at a first dumped step past 0 are named, with the updates not dumped in the hint."""
+    result = _play("mlp fp32 stats: AdamW eps 1e-4, updates not recorded, steps 2 and 3 dumped", workbench)
+    assert "dump from step 0" in result.culprit_groups[0].hint
+
+
 @pytest.mark.parametrize("times", [pytest.param(20, marks=pytest.mark.slow), 5])
 def test_a_call_that_amplifies_what_it_was_handed_is_judged_whatever_its_inputs(times, workbench):
     """B's attention is SDPA (another call sequence, fp32 rounding apart), and the next Linear is

@@ -5,9 +5,10 @@ against their limits (verdict.py), the call table (rootcause.py), the judgement 
 (judge.py), and which failing rows the noise model explains (explain.py). What a later window
 needs of the earlier ones is carried, and is small: the comparison's first step and whether the
 runs are bit-comparable (from the first window), the latest calls of each parameter (what the next
-step's parameters read), the optimizer's explained state outputs of the last step, and each
-rank's first culprit (everything after it may inherit its error). The rows are written to a
-RowStore; culprits, counts and notes are gathered. Within a window an API's calls are each
+step's parameters read), the optimizer's latest state outputs of each parameter (what the next
+update reads, after a gap in the dumped steps too), and each rank's first culprit (everything after
+it may inherit its error). The rows are written to a RowStore; culprits, counts and notes are
+gathered. Within a window an API's calls are each
 other's peers (judge.stands_out, judge.family_off): a window holds at most engine.ROWS_PER_WINDOW
 records, or one step where a step holds more.
 """
@@ -20,15 +21,21 @@ import numpy as np
 
 from pi0align.compare.judging.explain import (
     explain,
-    explained_states,
     first_failing,
+    optimizer_states,
     rows_of,
     unexplained_source,
 )
 from pi0align.compare.judging.groups import culprit_groups, family_counts
 from pi0align.compare.judging.identity import tensor_identities
-from pi0align.compare.judging.judge import bit_comparable, first_positions, judge, noise_model
-from pi0align.compare.judging.manifest import manifest_diff, manifest_notes, numerics_notes, weights_comparable
+from pi0align.compare.judging.judge import bit_comparable, computes_alike, first_positions, judge, noise_model
+from pi0align.compare.judging.manifest import (
+    manifest_diff,
+    manifest_notes,
+    numerics_notes,
+    same_initial_weights,
+    weights_comparable,
+)
 from pi0align.compare.judging.noise import rounding_level, rounding_notes
 from pi0align.compare.judging.reference import reference_notes
 from pi0align.compare.judging.rootcause import (
@@ -127,10 +134,14 @@ class Conclusion:
             self.exact = bit_comparable(rows, judged_rows.identical, self.diff, self.manifests[0])
         identity = tensor_identities(rows)
         producer = producers(rows, judged_rows.verdict, identity)
-        calls = call_table(rows, judged_rows.verdict, rounding, identity, producer, self.first_step, self.parameters)
+        # the same initial weights, which rounding alone may have parted by a first dumped step past 0
+        noisy_start = same_initial_weights(self.diff, *self.manifests) and \
+            not computes_alike(self.diff, self.manifests[0])
+        calls = call_table(rows, judged_rows.verdict, rounding, identity, producer, self.first_step, self.parameters,
+                           noisy_start)
         judgement = judge(calls, self.fallback, exact=self.exact, earlier=self.earlier)
         explanation = explain(rows, judged_rows.verdict, rounding, identity, producer, calls, judgement,
-                              self.earlier, self.states)
+                              self.earlier, self.states, noisy_start)
 
         rows["severity"], rows["over_dtype_limits"] = judged_rows.severity, judged_rows.over_dtype_limits
         rows["verdict"], rows["explained_by"] = explanation.verdict, explanation.explained_by
@@ -140,8 +151,7 @@ class Conclusion:
         rows["introduced_error"] = _introduced_per_row(rows, calls)
 
         self.parameters = parameter_calls(calls, self.parameters)
-        states = explained_states(rows, rows["verdict"])
-        self.states = states.take(states["step"] == rows["step"].max())  # what the next step's updates read
+        self.states = optimizer_states(rows, rows["verdict"], rounding, self.states)  # what the next updates read
         ranks_parted = {position[0] for position in self.earlier}  # their first culprits came in earlier windows
         self.earlier += [p for p in first_positions(calls, judgement.culprit) if p[0] not in ranks_parted]
         self.rounding_count += int(rounding.sum())

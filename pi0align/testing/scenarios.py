@@ -93,6 +93,7 @@ class ToyRun:
     checksums: bool = True  # False: the dump's checksums erased afterwards, as msprobe's dumps have none
     # (module, factor): a backward hook of that module sends its input's gradient × factor back
     module_gradient_scaled: tuple[str, float] | None = None
+    device_name: str | None = None  # the manifest's: an emulated device that says so, as a real one's run does
 
 
 def _toy_training(run: ToyRun):
@@ -139,9 +140,10 @@ def dump_toy(path: str | Path, run: ToyRun) -> Path:
     from pi0align.dump import Dumper
 
     model, batches, optimizer = _toy_training(run)
+    manifest = {"device_name": run.device_name} if run.device_name is not None else None
     with run.device.on(model), Dumper(path, steps=run.dumped, level=run.level, mode=run.mode,
                                       exclude=list(run.exclude) or None, perturb_ulps=run.perturb_ulps,
-                                      perturb_seed=run.seed + 7) as dumper:
+                                      perturb_seed=run.seed + 7, manifest=manifest) as dumper:
         dumper.start(model, optimizer=optimizer if run.record_optimizer else None)
         for step, batch in enumerate(batches):
             loss = _toy_step(run, step, model, batch, optimizer)
@@ -371,6 +373,30 @@ def rule_cases() -> list[Case]:
     cases.append(Case("mlp fp32 tensor: AdamW kernel computes with eps 1e-4, its settings say 1e-8", ToyRun(),
                       ToyRun(device=kernel), "diverged", kind="optimizer", direction="optimizer", step=0,
                       group="Optimizer.step"))
+    return cases + gap_cases()
+
+
+def gap_cases() -> list[Case]:
+    """A gap in the dumped steps, and a first dumped step past 0: the optimizer's states and the
+    parameters read after it were made by updates that were not dumped, of noise where the runs
+    compute differently; a gradient 3x fp32's limit off in a step not dumped; and parameters that
+    part by the first dumped step where the runs compute alike (their manifests)."""
+    cases = []
+    for dumped, listed, faulty in (((0, 2, 4), "0, 2 and 4", 1), ((2, 4), "2 and 4", 0)):
+        noisy = {"dtype": "bf16", "mode": "stats", "steps": 5, "dumped": dumped}
+        cases.append(Case(f"mlp bf16 stats: ulp noise, steps {listed} dumped", ToyRun(**noisy),
+                          ToyRun(device=NOISY, device_name="emulated", **noisy), "aligned"))
+        runs = {"model": "transformer", "mode": "stats", "steps": 5, "dumped": dumped}
+        cases.append(Case(f"transformer fp32 stats: SDPA vs manual, steps {listed} dumped", ToyRun(**runs),
+                          ToyRun(sdpa=True, **runs), "aligned"))
+        off = ("layers.0.mlp.0.weight", 1.0003, faulty)
+        cases.append(Case(f"transformer fp32 stats: SDPA vs manual + a gradient 3x the limit off at step {faulty}, "
+                          f"steps {listed} dumped", ToyRun(**runs), ToyRun(sdpa=True, gradient_scaled=off, **runs),
+                          "diverged", "layers.0.mlp.0.weight/Optimizer.step#0", kind="optimizer",
+                          direction="optimizer", step=2))
+    late = {"mode": "stats", "record_optimizer": False, "steps": 4, "dumped": (2, 3)}
+    cases.append(Case("mlp fp32 stats: AdamW eps 1e-4, updates not recorded, steps 2 and 3 dumped", ToyRun(**late),
+                      ToyRun(eps=1e-4, **late), "diverged", kind="parameters", direction="parameter", step=2))
     return cases
 
 

@@ -334,8 +334,9 @@ def step_bounds(calls: Table, records: Table, call_of_record: np.ndarray,
     parameter it read, ‖p‖ and ‖p'‖ the parameter's norm before and after, n its elements and s the
     most an update moves one element (arguments.adam_step: Adam's step is bounded by the learning
     rate; each side moves an element by at most s, so the two sides by at most 2 s). For updates not
-    recorded, s sums the learning rates logged over the steps between, with torch's default betas.
-    NaN where the step is not known (not an Adam-family optimizer, no learning rate logged).
+    recorded, s sums the learning rates logged over the steps between, with torch's default betas;
+    from the same initial weights (`from_start`: step 0 not dumped), e_p is 0. NaN where the
+    step is not known (not an Adam-family optimizer, no learning rate logged).
     Returns the bounds, and the error of the parameter each update left."""
     bound, left = np.full(len(calls), np.nan), np.full(len(calls), np.nan)
     update = np.flatnonzero(calls["direction"] == "optimizer")
@@ -357,15 +358,18 @@ def step_bounds(calls: Table, records: Table, call_of_record: np.ndarray,
                       [calls[k] for k in ("rank", "name", "direction", "step")])
     mine = record(standing, "parameter")
     theirs = np.where(previous >= 0, record(np.maximum(previous, 0), "parameter"), -1)
+    start = calls["from_start"][standing].astype(bool)  # from the same initial weights: e_p = 0
     rates = records["learning_rate_sum"].astype(np.float64)
-    summed = np.where((mine >= 0) & (theirs >= 0), rates[np.maximum(mine, 0)] - rates[np.maximum(theirs, 0)], np.nan)
+    rate_before = np.where(theirs >= 0, rates[np.maximum(theirs, 0)], np.where(start, 0.0, np.nan))
+    summed = np.where(mine >= 0, rates[np.maximum(mine, 0)] - rate_before, np.nan)
     at = np.concatenate([update, standing])
     p_before, p_after = np.concatenate([before, theirs]), np.concatenate([after, mine])
     s = np.concatenate([step, summed * adam_step_for(1.0)])
-    known = (p_before >= 0) & (p_after >= 0) & np.isfinite(s)
+    known = ((p_before >= 0) | np.concatenate([np.zeros(len(update), bool), start])) & (p_after >= 0) & np.isfinite(s)
     i, j = p_before[known], p_after[known]
     with np.errstate(divide="ignore", invalid="ignore"):
-        moved = np.where(np.isnan(error[i]), 0.0, error[i]) * norm[i] + 2.0 * s[known] * np.sqrt(numel[j])
+        carried = np.where(i >= 0, error[np.maximum(i, 0)] * norm[np.maximum(i, 0)], 0.0)
+        moved = np.where(np.isnan(carried), 0.0, carried) + 2.0 * s[known] * np.sqrt(numel[j])
         bound[at[known]] = np.where(norm[j] > 0, moved / norm[j], np.inf)
     found = p_after >= 0
     left[at[found]] = error[p_after[found]]

@@ -31,7 +31,7 @@ from pi0align.compare.judging.rootcause import call_directions, elementwise_erro
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, looser_classes
 from pi0align.compare.reading.records import subjects
 from pi0align.compare.result import CallRef
-from pi0align.compare.table import Table, gather, isin, lookup
+from pi0align.compare.table import Groups, Table, gather, isin, lookup
 
 # explained_by: the rule that turned a row `warn` ("" for the others)
 EXPLAINED_BY = {
@@ -43,6 +43,8 @@ EXPLAINED_BY = {
     "inside": "a result of a module whose calls are judged on their own",
     "step": "a parameter an optimizer update moved no further than one step of its optimizer can",
     "producer": "the same tensor (same bits on both sides) as an explained result",
+    "gap": "an optimizer state left by updates that were not dumped, within what the states and gradients at "
+           "the gap's ends explain",
     "gradient_sum": "a sum of gradients its readers sent back, within the sum's bound",
     "clipping": "an explained gradient scaled by the clipping factor, within its bound",
     "module": "made inside modules within their bounds by calls that were not dumped",
@@ -64,12 +66,13 @@ class Explanation:
 
 def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np.ndarray, producer: np.ndarray,
             calls: Table, judgement: Judgement, earlier: Sequence[Position] = (),
-            states_before: Table | None = None) -> Explanation:
+            states_before: Table | None = None, noisy_start: bool = False) -> Explanation:
     """The rows' final verdicts: failing rows the noise model explains become `warn`, each labelled.
     `identity`, `producer`: which records hold the same tensor, and which record produced it.
     Where steps before these rows' were judged apart: `earlier`, each rank's first culprit among
-    them (judge.Position); `states_before`, the optimizer's state outputs of the step before that
-    passed or were explained (`explained_states`)."""
+    them (judge.Position); `states_before`, the optimizer's latest state outputs
+    (`optimizer_states`). `noisy_start`: the runs started from the same weights and compute
+    differently (their manifests)."""
     labels = np.where(verdict == "warn", "limits", "").astype(object)
     open_ = (verdict == "fail") & _before_first(rows, calls, judgement, earlier)
     open_ &= ~rows_of(rows, calls, containing(judgement.enclosing, judgement.culprit))
@@ -95,6 +98,7 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
     settle(_accumulated_within(rows, identity, producer, error, sources, verdict, fine()), "gradient_sum")
     settle(_clipped_within(rows, error, fine()), "clipping")
     settle(_states_within(rows, fine(), states_before), "producer")
+    settle(_states_after_gap(rows, fine(), error, sources, rounding, states_before, noisy_start), "gap")
     settle(_made_inside(rows, call, judgement, producer), "module")
     final = verdict.copy()
     final[(verdict == "fail") & (labels != "") & (labels != "limits")] = "warn"
@@ -183,38 +187,125 @@ def _clipped_within(rows: Table, error: np.ndarray, fine: np.ndarray) -> np.ndar
 
 
 STATE_KEYS = ("step", "rank", "name", "arg_index", "checksum_a", "checksum_b")
+# per state output, beside its keys: whether it passed or was explained, its error as a source
+# (rootcause.elementwise_errors), its norm, whether it holds no negative element on either side,
+# and the error and norm of the gradient its update read (input 1, `_gradient_errors`)
+STATE_FACTS = ("fine", "error", "norm", "nonnegative", "gradient_error", "gradient_norm")
+
+
+def _state_inputs(rows: Table) -> np.ndarray:
+    """The state tensors an update reads (inputs 2 on: what the update before left as outputs 2 on)."""
+    return (rows["direction"] == "optimizer") & (rows["role"] == "input") & (rows["arg_index"] >= 2)
 
 
 def _state_outputs(rows: Table) -> np.ndarray:
-    """The optimizer's state outputs (outputs 2 on: what the next update reads as its inputs 2 on)."""
+    """The state tensors an update leaves (outputs 2 on)."""
     return (rows["direction"] == "optimizer") & (rows["role"] == "output") & (rows["arg_index"] >= 2)
 
 
-def explained_states(rows: Table, verdict: np.ndarray) -> Table:
-    """The optimizer's state outputs whose final verdict is no `fail`, by STATE_KEYS: what explains
-    the states the next step's update reads (`explain`'s `states_before`)."""
-    return _states(rows, verdict != "fail")
+def optimizer_states(rows: Table, verdict: np.ndarray, rounding: np.ndarray, before: Table | None = None) -> Table:
+    """The latest state output of each parameter's update and index (STATE_KEYS, STATE_FACTS), of
+    these rows (final verdicts `verdict`; `rounding`: gradients at rounding level) and `before` (an
+    earlier result): what the next updates read (`explain`'s `states_before`)."""
+    mine = _states(rows, verdict != "fail", elementwise_errors(rows), rounding)
+    both = Table.concat([before, mine]) if before is not None and len(before) else mine
+    latest = np.lexsort((-both["step"], both["arg_index"], both["name"], both["rank"]))
+    both = both.take(latest)
+    return both.take(Groups(both["rank"], both["name"], both["arg_index"]).first)
 
 
-def _states(rows: Table, fine: np.ndarray) -> Table:
-    """The optimizer's state outputs among the `fine` rows, by STATE_KEYS."""
-    chosen = _state_outputs(rows) & fine
-    return Table({key: rows[key][chosen] for key in STATE_KEYS}, length=int(chosen.sum()))
+def _states(rows: Table, fine: np.ndarray, sources: np.ndarray, rounding: np.ndarray) -> Table:
+    """Every state output of these rows, by STATE_KEYS and STATE_FACTS (`fine`: the rows that pass
+    or are explained; `sources`: rootcause.elementwise_errors; `rounding`: gradients at rounding
+    level)."""
+    chosen = np.flatnonzero(_state_outputs(rows))
+    gradient_error, gradient_norm = _gradient_errors(rows, chosen, sources, rounding)
+    with np.errstate(invalid="ignore"):
+        nonnegative = (rows["min_a"][chosen] >= 0) & (rows["min_b"][chosen] >= 0)
+    return Table({**{key: rows[key][chosen] for key in STATE_KEYS}, "fine": fine[chosen],
+                  "error": sources[chosen], "norm": rows["norm_a"][chosen].astype(np.float64),
+                  "nonnegative": nonnegative, "gradient_error": gradient_error, "gradient_norm": gradient_norm},
+                 length=len(chosen))
+
+
+def _gradient_errors(rows: Table, at: np.ndarray, sources: np.ndarray,
+                     rounding: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The error and norm of the gradient (input 1) that the update of each row `at` read (NaN
+    where none): its error as a source, or, where its parameter's gradient is at rounding level
+    (noise alone, noise.py), the most two tensors can differ by, ‖g_A − g_B‖ / ‖g_A‖ ≤ 1 + ‖g_B‖ / ‖g_A‖."""
+    read = np.flatnonzero((rows["direction"] == "optimizer") & (rows["role"] == "input") & (rows["arg_index"] == 1))
+    found = lookup([rows[k][at] for k in ("rank", "step", "name")], [rows[k][read] for k in ("rank", "step", "name")])
+    row = np.where(found >= 0, read[np.maximum(found, 0)], -1)
+    noise = np.flatnonzero(rounding & (rows["role"] == "parameter_grad"))
+    keys = lambda where: [rows["rank"][where], rows["step"][where], subjects(rows["name"][where])]
+    of_noise = lookup(keys(at), keys(noise)) >= 0
+    norm_a, norm_b = (gather(rows[f"norm_{side}"].astype(np.float64), row, np.nan) for side in "ab")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        error = np.where(of_noise, 1.0 + norm_b / norm_a, gather(sources, row, np.nan))
+    return error, norm_a
 
 
 def _states_within(rows: Table, fine: np.ndarray, states_before: Table | None) -> np.ndarray:
     """An update's state tensors (inputs 2 on) hold what the update of the step before left: the
     same bits as its explained output of the same index (among these rows, or `states_before`)."""
-    states = (rows["direction"] == "optimizer") & (rows["role"] == "input") & (rows["arg_index"] >= 2)
-    explained = _states(rows, fine)
+    states = _state_inputs(rows)
+    chosen = _state_outputs(rows) & fine
+    explained = Table({key: rows[key][chosen] for key in STATE_KEYS}, length=int(chosen.sum()))
     if states_before is not None:
-        explained = Table.concat([explained, states_before])
+        fine_before = states_before.take(states_before["fine"].astype(bool))
+        explained = Table.concat([explained, fine_before.select(STATE_KEYS)])
     if not states.any() or not len(explained):
         return np.zeros(len(rows), bool)
     keys = STATE_KEYS[1:]
     previous = lookup([rows["step"] - 1, *(rows[k] for k in keys)], [explained[k] for k in STATE_KEYS])
     known = (rows["checksum_a"] != -1) & (rows["checksum_b"] != -1)
     return states & known & (previous >= 0)
+
+
+def _states_after_gap(rows: Table, fine: np.ndarray, error: np.ndarray, sources: np.ndarray, rounding: np.ndarray,
+                      states_before: Table | None, noisy_start: bool) -> np.ndarray:
+    """An Adam-family update's state tensors (inputs 2 on) where the update of the step before was
+    not dumped: updates that were not dumped left them, from what the last dumped update left
+    (passing or explained), or, where none was dumped and the runs started from the same weights but
+    compute differently (`noisy_start`), from the same start. Adam's states are averages, of weights
+    summing to 1, of that start and of the gradients between (exp_avg) or their squares
+    (exp_avg_sq), so a state's error is at most max(e_s ‖s‖, e_g G) / ‖s'‖ (s the state at the
+    start, s' at the end, G the gradients' norm), and, where it holds no negative element,
+    max(e_s, 2 e_g + e_g²) element by element. The gradients between, not dumped, are taken to carry
+    the error and the norm of those read at the gap's two ends (`_gradient_errors`); within M ×
+    that, or the dtype's noise floor."""
+    open_ = np.flatnonzero(_state_inputs(rows) & ~fine & np.isfinite(rows["update_step"].astype(np.float64)))
+    explained = np.zeros(len(rows), bool)
+    if not len(open_):
+        return explained
+    known = _states(rows, fine, sources, rounding)
+    if states_before is not None and len(states_before):
+        known = Table.concat([states_before, known])
+    by_state: dict[tuple, list[int]] = {}
+    for i, key in enumerate(zip(known["rank"].tolist(), known["name"].tolist(), known["arg_index"].tolist())):
+        by_state.setdefault(key, []).append(i)
+    gradient_error, gradient_norm = _gradient_errors(rows, open_, sources, rounding)
+    floors = _floors(rows)
+    for row, end_error, end_norm in zip(open_.tolist(), gradient_error.tolist(), gradient_norm.tolist()):
+        step = int(rows["step"][row])
+        earlier = [i for i in by_state.get((rows["rank"][row], rows["name"][row], rows["arg_index"][row]), [])
+                   if known["step"][i] < step]
+        last = max(earlier, key=lambda i: known["step"][i]) if earlier else None
+        if last is not None and (known["step"][last] == step - 1 or not known["fine"][last]):
+            continue  # the update before was dumped (`_states_within`), or its state is not explained
+        if last is None and not (noisy_start and step > 0):
+            continue
+        e_s, norm_s = (known["error"][last], known["norm"][last]) if last is not None else (0.0, 0.0)
+        ends = [(end_error, end_norm)] + ([(known["gradient_error"][last], known["gradient_norm"][last])]
+                                          if last is not None else [])
+        e_g, norm_g = np.max(np.array(ends, np.float64), axis=0)  # NaN where one is not known: unexplained
+        nonnegative = rows["min_a"][row] >= 0 and rows["min_b"][row] >= 0 and \
+            (last is None or known["nonnegative"][last])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            bound = np.max([e_s, 2 * e_g + e_g ** 2]) if nonnegative else \
+                np.max([e_s * norm_s, e_g * norm_g]) / float(rows["norm_a"][row])
+        explained[row] = bool(error[row] <= MARGIN * np.max([bound, floors[row]]))
+    return explained
 
 
 def _made_inside(rows: Table, call: np.ndarray, judgement: Judgement, producer: np.ndarray) -> np.ndarray:
@@ -250,7 +341,8 @@ _SOURCES = {
     ("optimizer", "input"): "what the optimizer's update read differs from what the step left (the parameter, "
                             "its gradient beyond what clipping explains, or the states of the update before): "
                             "something changed it between backward and the update (a hook, gradient "
-                            "accumulation, all-reduce)",
+                            "accumulation, all-reduce), or, after steps that were not dumped, the updates that "
+                            "were not dumped (dump those steps to see them)",
 }
 
 

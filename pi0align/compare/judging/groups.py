@@ -112,8 +112,9 @@ def hint(kind: str, api: str, share: float, calls: int, unit: float, typical_err
                 "preprocessing, or the dataset itself (the manifests' dataset_fingerprint)",
         "initial_weights": "the runs start from other weights: another seed, checkpoint or initialisation "
                            "(the manifests' seed and weights_sha256)",
-        "parameters": "parameters differ where nothing dumped changed them: a checkpoint loaded, weights "
-                      "written in place outside the optimizer",
+        "parameters": "parameters differ where nothing dumped changed them: the updates before the first dumped "
+                      "step (dump from step 0 to see them), a checkpoint loaded, weights written in place outside "
+                      "the optimizer",
         "gradient": f"parameters' gradients ({keys}) differ beyond what the backward calls that computed them "
                     "explain: gradient accumulation, all-reduce, a hook on the gradient, or a backward operation "
                     "that was not dumped",

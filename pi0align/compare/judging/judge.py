@@ -177,15 +177,21 @@ SAME_NUMERICS = ("device", "device_name", "dtype", "world_size", "numerics", "ve
                  "versions.cann")
 
 
-def bit_comparable(rows: Table, identical: np.ndarray, diff: list, manifest: dict) -> bool:
-    """The two runs compute bit for bit alike: the same device, dtype, threads and numerics switches
-    and torch (their manifests agree on SAME_NUMERICS), deterministic algorithms on an accelerator
-    (atomics make its runs differ from one another), and the first forward API call of the first
-    step (in a module-level dump, its first module holding no other) is handed and returns the same
-    bits on both sides. `manifest`: A's."""
+def computes_alike(diff: list, manifest: dict) -> bool:
+    """By their manifests, the two runs compute bit for bit alike given the same inputs: the same
+    device, dtype, threads, numerics switches and torch (SAME_NUMERICS), and deterministic
+    algorithms on an accelerator (atomics make its runs differ from one another). `manifest`: A's."""
     if any(key.split(".")[0] in SAME_NUMERICS or key in SAME_NUMERICS for key, _, _ in diff):
         return False
-    if manifest.get("device", "cpu") != "cpu" and not (manifest.get("numerics") or {}).get("deterministic_algorithms"):
+    return manifest.get("device", "cpu") == "cpu" or \
+        bool((manifest.get("numerics") or {}).get("deterministic_algorithms"))
+
+
+def bit_comparable(rows: Table, identical: np.ndarray, diff: list, manifest: dict) -> bool:
+    """The two runs compute bit for bit alike: by their manifests (`computes_alike`), and the first
+    forward API call of the first step (in a module-level dump, its first module holding no other)
+    is handed and returns the same bits on both sides. `manifest`: A's."""
+    if not computes_alike(diff, manifest):
         return False
     known = (rows["checksum_a"] != -1) & (rows["checksum_b"] != -1) & (rows["direction"] == "forward")
     known &= isin(rows["pairing"], ("matched", "realigned"))

@@ -53,6 +53,13 @@ def weights_comparable(diff: list[tuple[str, Any, Any]]) -> bool:
     return not any(key == "dtype" for key, _, _ in diff)
 
 
+def same_initial_weights(diff: list[tuple[str, Any, Any]], a: dict, b: dict) -> bool:
+    """Both manifests hash their initial weights, in the same dtype, and the hashes agree: the runs
+    started from the same weights."""
+    return (weights_comparable(diff) and None not in (a.get("weights_sha256"), b.get("weights_sha256"))
+            and not any(key == "weights_sha256" for key, _, _ in diff))
+
+
 def manifest_notes(diff: list[tuple[str, Any, Any]]) -> list[str]:
     notes = []
     for key, va, vb in diff:

@@ -93,14 +93,17 @@ def producers(rows: Table, verdict: np.ndarray, identity: np.ndarray) -> np.ndar
 
 
 def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np.ndarray,
-               producer: np.ndarray, first_step: int | None = None, parameters_before: Table | None = None) -> Table:
+               producer: np.ndarray, first_step: int | None = None, parameters_before: Table | None = None,
+               noisy_start: bool = False) -> Table:
     """One row per judged call (CALL_COLUMNS), in order of step, seq_a and rank. `verdict`: each
     record's verdict against its limits; `rounding`: records whose difference is rounding-level
     noise (noise.py), which fail no call; `identity`: each record's tensor (identity.py);
     `producer`: the record that produced each record's tensor (`producers`). Where steps before
     these rows' were judged apart: `first_step`, the first step of the comparison (else these
     rows' first); `parameters_before`, the latest calls of each parameter, its gradient and its
-    update among them (`parameter_calls`)."""
+    update among them (`parameter_calls`). `noisy_start`: the runs started from the same weights and
+    compute differently (their manifests), so a parameter first dumped past step 0 may have parted by
+    rounding: it stands for the updates before."""
     failing_rows = (verdict == "fail") & ~rounding
     error_rows, metric_rows = row_error(rows)
     sources = np.where(rounding, np.nan, elementwise_errors(rows))  # rounding noise enters no call
@@ -141,10 +144,11 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     calls["invariant_error"] = invariant_errors(calls, judged, groups.codes)
     calls["sourced"] = np.ones(len(calls), bool)  # False: what made its input is not known
     calls["previous_step"] = np.full(len(calls), -1, np.int64)
+    calls["from_start"] = np.zeros(len(calls), bool)  # read by step_bounds, not kept
     if first_step is None:
         first_step = int(rows["step"].min()) if len(rows) else 0
     _add_module_parameters(calls, judged, error, fail)
-    _add_parameter_sources(calls, parameters_before)
+    _add_parameter_sources(calls, parameters_before, noisy_start)
     calls["step_bound"], calls["parameter_error"] = step_bounds(calls, judged, groups.codes, error)
     _add_saved_tensors(calls)
     _add_gradient_sources(calls, rows, identity, sources, failing_rows)
@@ -248,11 +252,14 @@ def parameter_calls(calls: Table, before: Table | None = None) -> Table:
 _SOURCE_COLUMNS = ["rank", "step", "direction", "name", "output_error", "outputs_fail", "outputs_differ"]
 
 
-def _add_parameter_sources(calls: Table, before: Table | None) -> None:
+def _add_parameter_sources(calls: Table, before: Table | None, noisy_start: bool) -> None:
     """A parameter's input is the optimizer's update of it at the step before. Where that update
     was not recorded, the parameter stands for it: its inputs are the parameter and its gradient
     at the last dumped step before (`previous_step`). At a parameter's first dumped step it has no
-    input: the weights were given. `before`: calls of earlier steps (`parameter_calls`)."""
+    input (the weights were given), unless that step is past 0 and the runs started from the same
+    weights but compute differently (`noisy_start`): then it stands for the updates since step 0 (`previous_step` 0 and
+    `from_start`), whose gradients were not dumped; the gradient of its own step tells their
+    error. `before`: calls of earlier steps (`parameter_calls`)."""
     own = len(calls)
     param = np.flatnonzero(calls["direction"] == "parameter")
     if not len(param):
@@ -277,11 +284,17 @@ def _add_parameter_sources(calls: Table, before: Table | None) -> None:
             calls["previous_step"][i] = step[last]
             grad = gradient_of.get((key[0], int(step[last]), key[1]))
             sources = [last] + ([grad] if grad is not None else [])
+        elif noisy_start and step[i] > 0:
+            calls["previous_step"][i], calls["from_start"][i] = 0, True
+            grad = gradient_of.get((key[0], int(step[i]), key[1]))
+            sources = [grad] if grad is not None else []
         else:
             continue
-        calls["input_error"][i] = max(known["output_error"][s] for s in sources)
+        calls["input_error"][i] = max([0.0] + [known["output_error"][s] for s in sources])
         calls["inputs_fail"][i] = any(known["outputs_fail"][s] for s in sources)
-        calls["inputs_identical"][i] = not any(known["outputs_differ"][s] for s in sources)
+        # from the start, the gradients of the steps before are not known to agree
+        calls["inputs_identical"][i] = (last is not None or source is not None) and \
+            not any(known["outputs_differ"][s] for s in sources)
 
 
 def _add_gradient_sources(calls: Table, rows: Table, identity: np.ndarray, error: np.ndarray,
