@@ -1,6 +1,6 @@
 """A compare of many steps judges a window of steps at a time (compare/conclusion.py) and keeps its
 rows on disk: what a window needs of the ones before it is carried (the parameters' latest calls,
-the optimizer's explained states, the first culprit), so real toy trainings judged in windows of a
+the optimizer's latest states, the first culprit), so real toy trainings judged in windows of a
 step or two get the answer of the same trainings judged whole, row by row; and the compare's
 memory does not grow with the number of steps."""
 
@@ -20,6 +20,7 @@ from pi0align.testing.dumpfactory import Call, Step, write_dump, write_msprobe_d
 from pi0align.testing.scenarios import NOISY, Emulation, ToyRun, dump_toy
 
 FOUR_STEPS = {"steps": 4, "dumped": (0, 1, 2, 3)}
+GAPS = {"steps": 5, "dumped": (0, 2, 4)}
 CASES = {
     # bf16 noise, statistics: aligned, every window
     "noise": (ToyRun(dtype="bf16", mode="stats", **FOUR_STEPS), ToyRun(dtype="bf16", mode="stats", device=NOISY,
@@ -39,6 +40,13 @@ CASES = {
                                    ToyRun(mode="stats", changed_sample_at=3, **FOUR_STEPS)),
     # the optimizer recorded, full tensors: its states read at the next window's first step
     "updates recorded, tensors": (ToyRun(**FOUR_STEPS), ToyRun(device=Emulation(ulp_noise=1), **FOUR_STEPS)),
+    # steps 0, 2 and 4 dumped, the updates between not: the states each reads, from the window before
+    "noise, gaps of steps": (ToyRun(dtype="bf16", mode="stats", **GAPS),
+                             ToyRun(dtype="bf16", mode="stats", device=NOISY, device_name="emulated", **GAPS)),
+    # and a gradient off in step 1, not dumped: the update at step 2 reads states beyond the gap's bound
+    "a gradient off in a gap": (ToyRun(model="transformer", mode="stats", **GAPS),
+                                ToyRun(model="transformer", mode="stats", sdpa=True,
+                                       gradient_scaled=("layers.0.mlp.0.weight", 1.0003, 1), **GAPS)),
 }
 JUDGED = ["step", "name", "direction", "role", "arg_index", "pairing", "verdict", "explained_by", "introduced_error"]
 
@@ -65,7 +73,7 @@ def dumps(tmp_path_factory):
 # The replayed tensor case (seconds a compare) in windows of one step only: the most edges.
 @pytest.mark.parametrize(("name", "steps_per_window"),
                          [(name, 2) for name in CASES if name != "updates recorded, tensors"]
-                         + [(name, 1) for name in CASES if name != "noise"])
+                         + [(name, 1) for name in CASES if not name.startswith("noise")])
 def test_judged_in_windows_of_steps_the_answer_is_the_whole_ones(dumps, name, steps_per_window, monkeypatch):
     a, b = dumps[name]
     whole = compare_dumps(a, b)
@@ -80,6 +88,9 @@ def test_the_answers_are_the_cases(dumps):
     """The cases stand for what their names say (judged whole)."""
     answers = {name: compare_dumps(*dumps[name]) for name in CASES}
     assert answers["noise"].verdict == "aligned"
+    assert answers["noise, gaps of steps"].verdict == "aligned" and answers["noise, gaps of steps"].explained["gap"]
+    first = answers["a gradient off in a gap"].first_divergence
+    assert (first.kind, first.step, first.name) == ("optimizer", 2, "layers.0.mlp.0.weight/Optimizer.step#0")
     assert answers["updates recorded, tensors"].verdict == "aligned"
     for name in ("eps, updates not recorded", "a gap of steps"):
         first = answers[name].first_divergence

@@ -24,7 +24,8 @@ TINY = ("--preset", "tiny", "--batch-size", "4", "--no-progress", "--log-every",
 def runs(tmp_path_factory):
     """Tiny PI0 runs of 4 steps at 1 thread, a checkpoint after each step: the base (step 2 dumped),
     the same again, another seed and learning rate, another learning rate alone; and two runs
-    started from the base's checkpoint at step 2, one step each, step 2 dumped, at 1 and 2 threads."""
+    started from the base's checkpoint at step 2, one step each, step 2 dumped, at 1 and 2 threads
+    (the second repeating the base's preset and batch size, as a command line copied from it)."""
     root = tmp_path_factory.mktemp("runs")
     plain = (*TINY, "--steps", "4", "--threads", "1", "--save-every", "1")
     made = {name: root / name for name in ("base", "same", "seed_and_lr", "lr", "from", "from_2_threads")}
@@ -32,8 +33,8 @@ def runs(tmp_path_factory):
         ("base", ("--dump-steps", "2")), ("same", ("--dump-steps", "2")),
         ("seed_and_lr", ("--seed", "7", "--lr", "1e-3")), ("lr", ("--lr", "1e-3")))))
     runs += run_clis(*(("run", "--from", made["base"], "--at", "2", "--dump-steps", "2", "--threads", threads,
-                        "--no-progress", "--log-every", "0", "--out", made[name])
-                       for name, threads in (("from", "1"), ("from_2_threads", "2"))))
+                        *same, "--no-progress", "--log-every", "0", "--out", made[name])
+                       for name, threads, same in (("from", "1", ()), ("from_2_threads", "2", TINY[:4]))))
     for done in runs:
         assert done.returncode == 0, done.stderr
     return made

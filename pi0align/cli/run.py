@@ -93,7 +93,9 @@ def start_from_args(args) -> Start:
             raise UserError(f"{args.from_run} has no checkpoint after {args.at} steps ({source}): run it with "
                             f"--save-every so that one is saved there")
         config = checkpoint.load_config(source)
-        fixed = [name for name in given if name not in (*_FROM_FIELDS, "steps")]
+        # a flag may repeat the run's own value (a command line copied from it), not change it
+        fixed = [name for name in given
+                 if name not in (*_FROM_FIELDS, "steps") and given[name] != getattr(config, name)]
         if fixed:
             raise UserError(f"--from runs {args.from_run}'s configuration: --{flag_name(fixed[0])} cannot change it "
                             f"(only {', '.join('--' + flag_name(n) for n in _FROM_FIELDS)} can)")
