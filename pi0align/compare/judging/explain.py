@@ -301,9 +301,10 @@ def _states_after_gap(rows: Table, fine: np.ndarray, error: np.ndarray, sources:
         e_g, norm_g = np.max(np.array(ends, np.float64), axis=0)  # NaN where one is not known: unexplained
         nonnegative = rows["min_a"][row] >= 0 and rows["min_b"][row] >= 0 and \
             (last is None or known["nonnegative"][last])
-        with np.errstate(divide="ignore", invalid="ignore"):
+        norm = float(rows["norm_a"][row])
+        with np.errstate(invalid="ignore"):  # a zero state on A: no relative bound
             bound = np.max([e_s, 2 * e_g + e_g ** 2]) if nonnegative else \
-                np.max([e_s * norm_s, e_g * norm_g]) / float(rows["norm_a"][row])
+                np.max([e_s * norm_s, e_g * norm_g]) / norm if norm > 0 else 0.0
         explained[row] = bool(error[row] <= MARGIN * np.max([bound, floors[row]]))
     return explained
 
