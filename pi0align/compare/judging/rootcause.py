@@ -257,9 +257,9 @@ def _add_parameter_sources(calls: Table, before: Table | None, noisy_start: bool
     was not recorded, the parameter stands for it: its inputs are the parameter and its gradient
     at the last dumped step before (`previous_step`). At a parameter's first dumped step it has no
     input (the weights were given), unless that step is past 0 and the runs started from the same
-    weights but compute differently (`noisy_start`): then it stands for the updates since step 0 (`previous_step` 0 and
-    `from_start`), whose gradients were not dumped; the gradient of its own step tells their
-    error. `before`: calls of earlier steps (`parameter_calls`)."""
+    weights but compute differently (`noisy_start`): then it stands for the updates since step 0
+    (`previous_step` 0 and `from_start`), whose gradients were not dumped; the gradient of its own
+    step tells their error. `before`: calls of earlier steps (`parameter_calls`)."""
     own = len(calls)
     param = np.flatnonzero(calls["direction"] == "parameter")
     if not len(param):
