@@ -247,6 +247,60 @@ def test_an_update_is_bounded_by_one_step_of_its_optimizer():
     assert list(beyond.culprit) == [True] + [False] * (n - 1)
 
 
+def _gap_rows(norm_at_end: float = 0.1, dumped_before: int = 0) -> Table:
+    """A parameter's Adam update at step `dumped_before` (its gradient in, exp_avg and exp_avg_sq
+    out) and at step 2 (gradient, exp_avg and exp_avg_sq in), and its gradients at both steps,
+    float32; exp_avg signed with norm 0.1 (`norm_at_end` at step 2), exp_avg_sq of no negative element."""
+    step = [dumped_before] * 3 + [2] * 3 + [dumped_before, 2]
+    direction = ["optimizer"] * 6 + ["parameter"] * 2
+    role = ["input", "output", "output", "input", "input", "input", "parameter_grad", "parameter_grad"]
+    name = ["w/Optimizer.step#0"] * 6 + ["w/Parameter#0"] * 2
+    n = len(step)
+    return Table({"step": np.array(step), "rank": np.zeros(n, np.int64), "name": np.array(name, object),
+                  "direction": np.array(direction, object), "role": np.array(role, object),
+                  "arg_index": np.array([1, 2, 3, 1, 2, 3, 0, 0]), "min_a": np.array([-1.0, -1, 0, -1, -1, 0, -1, -1]),
+                  "min_b": np.array([-1.0, -1, 0, -1, -1, 0, -1, -1]),
+                  "norm_a": np.array([1.0, 0.1, 0.01, 1.0, norm_at_end, 0.01, 1.0, 1.0]),
+                  "norm_b": np.array([1.0, 0.1, 0.01, 1.0, norm_at_end, 0.01, 1.0, 1.0]),
+                  "update_step": np.r_[np.full(6, 1e-3), np.nan, np.nan], "dtype_a": np.full(n, "float32", object),
+                  "dtype_b": np.full(n, "float32", object), "checksum_a": np.arange(n), "checksum_b": np.arange(n) + n},
+                 length=n)
+
+
+@pytest.mark.parametrize(("m_error", "v_error", "explained"), [(1.5e-3, 3e-4, [True, True]),
+                                                                (3e-3, 5e-4, [False, False])])
+def test_states_after_steps_not_dumped_are_bounded_by_the_gaps_ends(m_error, v_error, explained):
+    """exp_avg (signed): max(e_s ‖s‖, e_g G) / ‖s'‖ = max(1e-5, 1e-4) / 0.1 = 1e-3; exp_avg_sq (no
+    negative element): max(e_s, 2 e_g + e_g²) ≈ 2e-4; each within M = 2 times that."""
+    from pi0align.compare.judging.explain import _states_after_gap
+
+    rows = _gap_rows()
+    error = np.r_[1e-4, 1e-4, 1e-4, 1e-4, m_error, v_error, 1e-4, 1e-4]
+    fine = np.array([True, True, True, True, False, False, True, True])
+    got = _states_after_gap(rows, fine, error, error, np.zeros(8, bool), None, noisy_start=False)
+    assert list(got[4:6]) == explained and not got[:4].any()
+
+
+def test_a_gap_whose_gradients_are_rounding_noise_explains_its_states_and_nothing_else_does():
+    """A gradient at rounding level carries noise alone (1 + ‖g_B‖ / ‖g_A‖ = 2): the states made of
+    it may part by anything. The update of the step before dumped: not this rule's. A state of
+    zero norm on A: no relative bound. Nothing dumped before, runs that compute alike: none."""
+    from pi0align.compare.judging.explain import _states_after_gap
+
+    error = np.r_[1e-4, 1e-4, 1e-4, 1e-4, 0.9, 0.9, 1e-4, 1e-4]
+    fine = np.array([True, True, True, True, False, False, True, True])
+    noise = np.zeros(8, bool)
+    noise[6] = True  # the gradient at step 0
+    assert _states_after_gap(_gap_rows(), fine, error, error, noise, None, False)[4:6].all()
+    assert not _states_after_gap(_gap_rows(dumped_before=1), fine, error, error, noise, None, False).any()
+    assert not _states_after_gap(_gap_rows(norm_at_end=0.0), fine, error, error, noise, None, False)[4]
+    alone = _gap_rows().take(np.array([3, 4, 5, 7]))
+    assert not _states_after_gap(alone, fine[[3, 4, 5, 7]], error[[3, 4, 5, 7]], error[[3, 4, 5, 7]],
+                                 np.zeros(4, bool), None, noisy_start=False).any()
+    assert _states_after_gap(alone, fine[[3, 4, 5, 7]], np.r_[1e-4, 1e-4, 1e-4, 1e-4], np.r_[1e-4, 1e-4, 1e-4, 1e-4],
+                             np.zeros(4, bool), None, noisy_start=True)[1:3].all()
+
+
 def test_statistics_judge_by_bits_downstream_of_a_culprit():
     """After a culprit, a call judged by statistics that seems to amplify what it was handed is
     no culprit of its own (a LayerNorm's statistics hide its elements' error); by its bits, in
