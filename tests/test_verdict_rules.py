@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pi0align.compare.judging.bounds import MARGIN, introduced, noise_floor, reduction_condition
+from pi0align.compare.judging.explain import _states_after_gap
 from pi0align.compare.judging.identity import gradient_sources, tensor_identities
 from pi0align.compare.judging.judge import judge, median_without
 from pi0align.compare.judging.noise import rounding_level
@@ -272,8 +273,6 @@ def _gap_rows(norm_at_end: float = 0.1, dumped_before: int = 0) -> Table:
 def test_states_after_steps_not_dumped_are_bounded_by_the_gaps_ends(m_error, v_error, explained):
     """exp_avg (signed): max(e_s ‖s‖, e_g G) / ‖s'‖ = max(1e-5, 1e-4) / 0.1 = 1e-3; exp_avg_sq (no
     negative element): max(e_s, 2 e_g + e_g²) ≈ 2e-4; each within M = 2 times that."""
-    from pi0align.compare.judging.explain import _states_after_gap
-
     rows = _gap_rows()
     error = np.r_[1e-4, 1e-4, 1e-4, 1e-4, m_error, v_error, 1e-4, 1e-4]
     fine = np.array([True, True, True, True, False, False, True, True])
@@ -285,8 +284,6 @@ def test_a_gap_whose_gradients_are_rounding_noise_explains_its_states_and_nothin
     """A gradient at rounding level carries noise alone (1 + ‖g_B‖ / ‖g_A‖ = 2): the states made of
     it may part by anything. The update of the step before dumped: not this rule's. A state of
     zero norm on A: no relative bound. Nothing dumped before, runs that compute alike: none."""
-    from pi0align.compare.judging.explain import _states_after_gap
-
     error = np.r_[1e-4, 1e-4, 1e-4, 1e-4, 0.9, 0.9, 1e-4, 1e-4]
     fine = np.array([True, True, True, True, False, False, True, True])
     noise = np.zeros(8, bool)
