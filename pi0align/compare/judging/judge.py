@@ -173,8 +173,13 @@ def judge(calls: Table, fallback: str, exact: bool = False, earlier: Sequence[Po
                      enclosing=enclosing)
 
 
+# What decides how the same maths is computed, and so its rounding: the device and its libraries,
+# the numerics switches, and the implementations chosen (a fused AdamW, DeepSpeed's engine and
+# ZeRO stage, another transformers or LeRobot).
 SAME_NUMERICS = ("device", "device_name", "dtype", "world_size", "numerics", "versions.torch", "versions.torch_npu",
-                 "versions.cann")
+                 "versions.cann", "versions.transformers", "versions.lerobot", "versions.deepspeed",
+                 "versions.accelerate", "transformers_compat", "config.optimizer", "config.engine",
+                 "config.zero_stage")
 
 
 def computes_alike(diff: list, manifest: dict) -> bool:
