@@ -78,6 +78,17 @@ def test_what_updates_not_dumped_made_of_noise_is_explained_and_a_gradient_off_a
     assert any("updates that were not dumped" in note for note in result.notes)
 
 
+@pytest.mark.parametrize("listed, held_by_a_only", [("every step against 2 and 4", "steps 0, 1, 3 held by A only"),
+                                                    ("0, 2 and 4 against 1 to 4", "step 0 held by A only")])
+def test_runs_dumped_at_other_steps_are_compared_at_the_steps_both_hold(listed, held_by_a_only, workbench):
+    """`compare`'s default, "every step both dumps hold": the steps one side alone holds are said,
+    not compared. Before, they were: their records listed as one side's only, an optimizer state
+    after them judged against an update the other side had not dumped, and bf16 ulp noise came
+    out diverged."""
+    result = _play(f"mlp bf16 stats: ulp noise, steps {listed} dumped", workbench)
+    assert f"{held_by_a_only}: not compared" in result.notes and not result.coverage["only_a"]
+
+
 def test_parameters_parted_by_the_first_dumped_step_of_runs_that_compute_alike_are_named(workbench):
     """Runs whose manifests say they compute bit for bit alike cannot part by rounding: parameters
     that differ at a first dumped step past 0 are named, with the updates not dumped in the hint."""

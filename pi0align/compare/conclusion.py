@@ -107,9 +107,9 @@ class Conclusion:
         settings (engine._compare_rank); the window's dumps; the noise reference's rows, if any."""
         rows = Table.concat([p[0] for p in parts])
         for dump in [*runs_a.values(), *runs_b.values()]:
-            self._note(dump.notes)
+            self.note(dump.notes)
         for part in parts:
-            self._note(part[1])
+            self.note(part[1])
         if not self.hyper_parameters and parts and parts[0][2]:
             self.hyper_parameters = parts[0][2]
         for held, runs in zip(self.steps_held, (runs_a, runs_b)):
@@ -208,7 +208,7 @@ class Conclusion:
             rows_over_dtype_limits=self.rows_over_dtype_limits, culprit_groups=groups,
             explained=self.explained, rank_verdicts=rank_verdicts)
 
-    def _note(self, notes: list[str]) -> None:
+    def note(self, notes: list[str]) -> None:
         self.notes.update(dict.fromkeys(notes))
 
     def _count_pairings(self, rows: Table) -> None:

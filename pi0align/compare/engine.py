@@ -80,9 +80,12 @@ def _compare(path_a: str | Path, path_b: str | Path, thresholds: dict, steps: It
     paths = [path_a, path_b] + ([noise] if noise is not None else [])
     held = [_steps_held(path, wanted) for path in paths]
     _check_runs(held, paths, wanted)
-    windows = _windows(path_a, held[0], sorted(set().union(*held[0].values(), *held[1].values())))
+    steps_a, steps_b = (set().union(*ranks.values()) for ranks in held[:2])
+    windows = _windows(path_a, held[0], sorted(steps_a & steps_b))
     conclusion = Conclusion(thresholds, str(path_a), str(path_b), "reference" if noise is not None else "intrinsic",
                             len(windows))
+    conclusion.note([f"step{'s' if len(only) > 1 else ''} {_listed(only)} held by {side} only: not compared"
+                     for side, only in (("A", steps_a - steps_b), ("B", steps_b - steps_a)) if only])
     tracker = _Tracker(progress, 0)
     runs_reference = None
     with _workers(len(held[0]) * (len(paths) - 1)) as pool:

@@ -379,8 +379,9 @@ def rule_cases() -> list[Case]:
 def gap_cases() -> list[Case]:
     """A gap in the dumped steps, and a first dumped step past 0: the optimizer's states and the
     parameters read after it were made by updates that were not dumped, of noise where the runs
-    compute differently; a gradient 3x fp32's limit off in a step not dumped; and parameters that
-    part by the first dumped step where the runs compute alike (their manifests)."""
+    compute differently; a gradient 3x fp32's limit off in a step not dumped; parameters that
+    part by the first dumped step where the runs compute alike (their manifests); and runs dumped
+    at other steps, compared at those both hold."""
     cases = []
     for dumped, listed, faulty in (((0, 2, 4), "0, 2 and 4", 1), ((2, 4), "2 and 4", 0)):
         noisy = {"dtype": "bf16", "mode": "stats", "steps": 5, "dumped": dumped}
@@ -394,6 +395,11 @@ def gap_cases() -> list[Case]:
                           f"steps {listed} dumped", ToyRun(**runs), ToyRun(sdpa=True, gradient_scaled=off, **runs),
                           "diverged", "layers.0.mlp.0.weight/Optimizer.step#0", kind="optimizer",
                           direction="optimizer", step=2))
+    noisy = {"dtype": "bf16", "mode": "stats", "steps": 5}
+    for dumped_a, dumped_b, listed in (((0, 1, 2, 3, 4), (2, 4), "every step against 2 and 4"),
+                                       ((0, 2, 4), (1, 2, 3, 4), "0, 2 and 4 against 1 to 4")):
+        cases.append(Case(f"mlp bf16 stats: ulp noise, steps {listed} dumped", ToyRun(dumped=dumped_a, **noisy),
+                          ToyRun(device=NOISY, device_name="emulated", dumped=dumped_b, **noisy), "aligned"))
     late = {"mode": "stats", "record_optimizer": False, "steps": 4, "dumped": (2, 3)}
     cases.append(Case("mlp fp32 stats: AdamW eps 1e-4, updates not recorded, steps 2 and 3 dumped", ToyRun(**late),
                       ToyRun(eps=1e-4, **late), "diverged", kind="parameters", direction="parameter", step=2))
