@@ -209,6 +209,16 @@ def test_a_run_from_another_runs_checkpoint_computes_its_step_bit_for_bit(runs):
     assert manifest["started_from"] == {"run": str(runs["base"]), "step": 2}
 
 
+def test_a_resumed_run_never_writes_over_the_steps_its_folder_dumped_before(runs, tmp_path):
+    """`run --resume` with --dump-steps, where the folder already holds the dump of the steps run
+    before: one line, and the dump untouched (before: replaced by one of the resumed steps only)."""
+    folder = shutil.copytree(runs["base"], tmp_path / "base")
+    before = (folder / "dump.h5").read_bytes()
+    done = run_cli("run", "--resume", folder / "checkpoints" / "000003", "--dump-steps", "3", "--no-progress")
+    assert_one_line_error(done, "dump.h5 holds the steps this run dumped before", "--dump-steps")
+    assert (folder / "dump.h5").read_bytes() == before
+
+
 def test_runs_at_another_thread_count_first_dumped_at_step_2_are_aligned(runs):
     """1 against 2 threads, step 2 the first dumped: the updates before it made different noise
     of the attention key biases' gradients (zero in exact arithmetic) into parameters and optimizer

@@ -113,6 +113,11 @@ def start_from_args(args) -> Start:
         config = checkpoint.load_config(resume_from)
         steps = args.steps if args.steps is not None else config.steps
         config = dataclasses.replace(config, out=resume_from.parent.parent, steps=steps, progress=args.progress)
+        dumps = sorted(config.out.glob("dump*.h5"))
+        if args.dump_steps is not None and dumps:
+            raise UserError(f"{dumps[0]} holds the steps this run dumped before: a resumed run dumping into its "
+                            f"folder would write over them (move {', '.join(d.name for d in dumps)} out of "
+                            f"{config.out} first, or resume without --dump-steps)")
         return Start(config, resume_from=resume_from)
     from pi0align.train.config import RECIPES
 
