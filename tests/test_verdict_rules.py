@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pi0align.compare.judging.bounds import MARGIN, introduced, noise_floor, reduction_condition
+from pi0align.compare.judging.bounds import MARGIN, introduced, reduction_condition, rounding_floor
 from pi0align.compare.judging.explain import _states_after_gap
 from pi0align.compare.judging.identity import gradient_sources, tensor_identities
 from pi0align.compare.judging.judge import judge, median_without
@@ -122,6 +122,15 @@ def test_a_systematic_fault_in_half_precision_is_found(workbench):
     _play("mlp bf16 stats: ulp noise + every layer_norm 3% off", workbench)
 
 
+def test_a_linears_gradient_off_under_thread_noise_is_named_from_statistics(workbench):
+    """Real PI0 tiny, bf16, statistics only, 1 against 2 threads: aligned; with the action
+    expert's up_proj gradient 3 % off, that linear's backward at step 0 is the first divergence.
+    Before: aligned, its floor grown by its sum's cancellation (12×) as if a GEMM rounded its
+    partial sums in bf16."""
+    assert not _play("PI0 tiny bf16 stats: 1 vs 2 threads", workbench).culprits
+    _play("PI0 tiny bf16 stats: 2 threads + the expert's up_proj gradient 3% off", workbench)
+
+
 def test_a_changed_batch_in_a_dump_without_checksums_or_data_records_is_the_data(workbench):
     """A dump that records neither checksums nor the batch (msprobe's): one sample of step 1's batch
     1 % off. The model's input that no dumped call produced stands for the batch. Before: a GELU
@@ -168,7 +177,8 @@ def test_replay_names_the_side_whose_update_is_wrong(workbench):
 
 def _calls(**columns) -> Table:
     """A calls table (rootcause.CALL_COLUMNS) of len(columns' arrays) forward API calls, one
-    each of distinct APIs unless given; its introduced_error from its errors, as call_table does."""
+    each of distinct APIs unless given; its floor and introduced_error from its errors, as
+    call_table does."""
     n = len(next(iter(columns.values())))
     unit = np.asarray(columns.pop("unit", np.full(n, FP32)), np.float64)
     columns["unit"] = unit
@@ -179,7 +189,7 @@ def _calls(**columns) -> Table:
         "module": np.full(n, "m", object), "api": np.array([f"Functional.f{i}" for i in range(n)], object),
         "input_error": np.zeros(n), "output_error": np.zeros(n), "inputs_pass": np.ones(n, bool),
         "outputs_fail": np.ones(n, bool), "condition": np.ones(n), "condition_rule": np.full(n, "", object),
-        "invariant_error": np.zeros(n), "floor": noise_floor(unit),
+        "invariant_error": np.zeros(n),
         "metric": np.full(n, "rel_l2_err", object), "local_error_a": np.full(n, np.nan),
         "local_error_b": np.full(n, np.nan), "unit_a": unit, "unit_b": unit, "replay": np.full(n, "", object),
         "args_differ": np.zeros(n, bool), "inputs_identical": np.zeros(n, bool), "outputs_differ": np.ones(n, bool),
@@ -188,6 +198,7 @@ def _calls(**columns) -> Table:
         "parameter_error": np.full(n, np.nan),
     }
     table = Table({**defaults, **{k: np.asarray(v) for k, v in columns.items()}})
+    table["floor"] = rounding_floor(table["unit"], table["condition"], table["condition_rule"], table["api"])
     table["introduced_error"] = introduced(table["output_error"], table["input_error"], table["condition"],
                                            table["floor"])
     return table.select(CALL_COLUMNS)
@@ -216,6 +227,19 @@ def test_a_linear_is_judged_through_its_condition():
                    api=["Functional.linear", "Functional.matmul"])
     judgement = judge(calls, "intrinsic")
     assert list(judgement.culprit) == [False, True] and judgement.within[0] == "bound"
+
+
+def test_a_matmuls_rounding_does_not_grow_with_its_cancellation_in_half_precision():
+    """A linear's gradient in bf16 from identical inputs: its sum over positions cancels (C = 12),
+    but a GEMM accumulates in float32 and rounds once, so 3 % is no rounding (before: its floor was
+    2 u × 12 = 9 %, and PI0's expert up_proj gradient 3 % off came out aligned). A layer_norm's
+    gradient sum may round partial sums in bf16 (torch's CPU kernel, 2.7 % apart at 1 and 2
+    threads): C grows its floor. In float32 the floor grows with C for both."""
+    calls = _calls(output_error=[0.03, 0.027, 2e-3], condition=[12.0, 6.0, 12.0], unit=[BF16, BF16, FP32],
+                   condition_rule=["gradient sum"] * 3, direction=["backward"] * 3, inputs_identical=[True] * 3,
+                   api=["Functional.linear", "Functional.layer_norm", "Functional.linear"])
+    assert list(calls["floor"]) == [2 * BF16, 2 * BF16 * 6.0, 16 * FP32 * 12.0]
+    assert list(judge(calls, "intrinsic").culprit) == [True, False, True]
 
 
 def test_peers_do_not_hide_an_api_off_as_a_whole_in_half_precision():

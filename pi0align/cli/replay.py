@@ -46,7 +46,7 @@ def main(args: argparse.Namespace) -> int:
     direction = args.direction or kind
     step = args.step[0] if args.step else None
     paths = [args.dump] + ([args.against] if args.against else [])
-    results, units, scales, checksums = [], [], [], []
+    results, units, conditions, checksums = [], [], [], []
     for path in paths:
         runs = _open_holding(path, args.name, step, direction, args.rank)
         try:
@@ -71,7 +71,7 @@ def main(args: argparse.Namespace) -> int:
             result = replay(recorded)
             if not result:
                 raise UserError(f"{path}: {args.name} cannot be replayed: {result.reason}")
-            scales.append(_rounding_scale(records, mine, direction))
+            conditions.append(_condition(records, mine, direction))
             mine &= records["role"] == RESULT_ROLES[direction]
             units.append(max((UNIT_ROUNDOFF[dtype_class(d)] for d in records["dtype"][mine].tolist()), default=0.0))
             results.append(result)
@@ -94,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
         console.print(f"unit roundoff of the result dtype: {format_number(units[0])}")
         return 0
     b_wrong, a_wrong, _ = (bool(v[0]) for v in wrong_sides(*(np.array([x]) for x in (
-        results[0].error, results[1].error, units[0], units[1], scales[0]))))
+        results[0].error, results[1].error, units[0], units[1], *conditions[0]))))
     verdict = "B is wrong" if b_wrong else "A is wrong" if a_wrong else "both within noise of each other"
     console.print(f"verdict: {verdict}", style="bold red" if b_wrong or a_wrong else "bold green")
     return 1 if b_wrong or a_wrong else 0
@@ -120,12 +120,13 @@ def _open_holding(path: str, name: str, step: int | None, direction: str, rank: 
     return open_run(path, set(steps[-1:]))  # the last step: the caller says whether it holds the call
 
 
-def _rounding_scale(records, mine, direction: str) -> float:
-    """How much the call's own rounding grows (bounds.rounding_scale), from its records (`mine`)
-    and, for a backward call, its forward call's (what it saved), as compare takes it."""
+def _condition(records, mine, direction: str) -> tuple[float, str, str]:
+    """The call's condition, its rule and its API (bounds.conditions, bounds.rounding_floor: how much
+    its own rounding grows), from its records (`mine`) and, for a backward call, its forward call's
+    (what it saved), as compare takes them."""
     import numpy as np
 
-    from pi0align.compare.judging.bounds import conditions, rounding_scale
+    from pi0align.compare.judging.bounds import conditions
     from pi0align.compare.table import Groups, Table
 
     first = int(np.flatnonzero(mine)[0])
@@ -137,7 +138,8 @@ def _rounding_scale(records, mine, direction: str) -> float:
     statistics = Table({"role": own["role"], "arg_index": own["arg_index"], "direction": own["direction"],
                         **{f"{column}_a": own[column] for column in ("norm", "min", "max", "mean", "shape")}})
     condition, rule = conditions(calls, statistics, call.codes)
-    return float(rounding_scale(condition, rule)[calls["direction"] == direction][0])
+    this = calls["direction"] == direction
+    return float(condition[this][0]), str(rule[this][0]), str(calls["api"][this][0])
 
 
 def _batch(console, name: str, step: int, paths: list[str], checksums: list[int]) -> int:

@@ -189,18 +189,29 @@ class Pi0Run:
 
 
 def dump_pi0(path: str | Path, run: Pi0Run) -> Path:
-    """`run.steps` training steps of real LeRobot PI0 (the `pi0align run` recipe), all dumped at level mix."""
+    """`run.steps` training steps of real LeRobot PI0 (the `pi0align run` recipe), all dumped at
+    level mix, at `run.threads` threads (the caller's thread count given back after)."""
     from pi0align.device import resolve
-    from pi0align.dump import Dumper
     from pi0align.train.config import TrainConfig
-    from pi0align.train.data import make_loader
-    from pi0align.train.loop import build_components, train_step
 
     path = Path(path)
     config = TrainConfig(preset=run.preset, dtype=run.dtype, steps=run.steps, threads=run.threads, seed=run.seed,
                          out=path, progress=False, log_every=0)
+    threads = torch.get_num_threads()
     torch.set_num_threads(run.threads)
-    device = resolve("cpu")
+    try:
+        _train_dumped(path, run, config, resolve("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    return path
+
+
+def _train_dumped(path: Path, run: Pi0Run, config, device) -> None:
+    """dump_pi0's training, every step dumped."""
+    from pi0align.dump import Dumper
+    from pi0align.train.data import make_loader
+    from pi0align.train.loop import build_components, train_step
+
     components = build_components(config, device)
     policy, optimizer, scheduler = components["policy"], components["optimizer"], components["scheduler"]
     batches = iter(make_loader(components["dataset"], batch_size=config.batch_size, seed=config.seed, start_step=0,
@@ -216,7 +227,6 @@ def dump_pi0(path: str | Path, run: Pi0Run) -> Path:
             dumper.record_metrics(step, loss, grad_norm, lr)
             dumper.stop()
             dumper.step()
-    return path
 
 
 @dataclass(frozen=True)
@@ -369,6 +379,14 @@ def rule_cases() -> list[Case]:
                              update_scaled=("blocks.1.0.weight", 1.2)),
                       "diverged", "blocks.1.0.weight/Optimizer.step#0", kind="optimizer", direction="optimizer",
                       step=0))
+    tiny = {"preset": "tiny", "dtype": "bf16", "mode": "stats"}
+    expert_mlp = "model.paligemma_with_expert.gemma_expert.model.layers.1.mlp"
+    cases += [Case("PI0 tiny bf16 stats: 1 vs 2 threads", Pi0Run(threads=1, **tiny), Pi0Run(threads=2, **tiny),
+                   "aligned"),
+              Case("PI0 tiny bf16 stats: 2 threads + the expert's up_proj gradient 3% off", Pi0Run(threads=1, **tiny),
+                   Pi0Run(threads=2, device=Emulation(fault=(expert_mlp, "linear", 1, 1.03), fault_backward=True),
+                          **tiny),
+                   "diverged", f"{expert_mlp}.up_proj/Functional.linear#0", direction="backward", step=0)]
     kernel = Emulation(adam_eps=1e-4)
     cases.append(Case("mlp fp32 tensor: AdamW kernel computes with eps 1e-4, its settings say 1e-8", ToyRun(),
                       ToyRun(device=kernel), "diverged", kind="optimizer", direction="optimizer", step=0,

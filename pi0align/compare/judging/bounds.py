@@ -95,6 +95,21 @@ def rounding_scale(condition: np.ndarray, rule: np.ndarray) -> np.ndarray:
     return np.where(np.isin(np.asarray(rule, object), list(SUMMING_RULES)), condition, 1.0)
 
 
+def rounding_floor(unit: np.ndarray, condition: np.ndarray, rule: np.ndarray, api: np.ndarray) -> np.ndarray:
+    """The error a call's own rounding may put on its result (on both sides): F × u × S. The matmul
+    family's kernels, forward and backward, accumulate in float32 at least (every device's GEMMs in
+    half precision; a product of two half-precision numbers is exact in float32) and round their
+    result once: only the accumulator's rounding grows with the cancellation, so in half precision
+    their floor is the larger of the result's rounding, F u, and the accumulator's, F u₃₂ S (a 3 %
+    fault of a linear's gradient in bfloat16, C = 12, once hid under 2 u × 12 = 9 %). Other sums
+    may round partial sums in their result's precision (torch's CPU layer_norm gradient in bfloat16
+    does, its bias gradient 2.7 % apart between 1 and 2 threads): S = C on F u."""
+    unit = np.asarray(unit, np.float64)
+    function = np.array([str(name).rpartition(".")[2] for name in np.atleast_1d(api).tolist()], dtype=object)
+    accumulator = np.where(np.isin(function, list(MATMULS)), np.minimum(unit, UNIT_ROUNDOFF["float32"]), unit)
+    return np.maximum(noise_floor(unit), noise_floor(accumulator) * rounding_scale(condition, rule))
+
+
 def invariant_errors(calls: Table, records: Table, call_of_record: np.ndarray) -> np.ndarray:
     """Per call, the error of the statistics its result keeps whatever its inputs (a softmax's
     mean: every row sums to one), 0 where it keeps none. `records` as for `conditions`, with

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pi0align.compare.judging.bounds import MARGIN, noise_floor, rounding_scale
+from pi0align.compare.judging.bounds import MARGIN, rounding_floor
 from pi0align.compare.judging.modules import enclosing_modules, innermost, is_module, is_module_api
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.table import Groups, Table, isin
@@ -60,9 +60,10 @@ MIN_PEERS = 4  # fewer calls of an API than this: no median to stand out from
 # Adam's second moment squares the gradient (twice its relative error) and the update divides by
 # its root; statistics such as the norm of a square weigh the largest elements' errors more still
 OPTIMIZER_GAIN = 4.0
-# replay: dynamo's same() multipliers (fp32 2, half precision 3) and a floor in unit roundoffs
-# (bf16/fp16: 3 u, above the ~1.3 u of a result moved by up to an ulp and the ~0.4 u of rounding,
-# below a 3 % fault, 7.7 u in bf16; fp32: 16 u, room for reduction-order error over long sums)
+# replay: dynamo's same() multipliers (fp32 2, half precision 3) and the floor of the call's own
+# rounding (bounds.rounding_floor: bf16/fp16 2 u, above the ~1.3 u of a result moved by up to an
+# ulp and the ~0.4 u of rounding, below a 3 % fault, 7.7 u in bf16; fp32 16 u, room for
+# reduction-order error over long sums)
 _HALF = (UNIT_ROUNDOFF["bfloat16"], UNIT_ROUNDOFF["float16"])
 
 
@@ -70,15 +71,12 @@ def replay_ratio_limit(unit: np.ndarray) -> np.ndarray:
     return np.where(np.isin(unit, _HALF), 3.0, 2.0)
 
 
-def replay_floor(unit: np.ndarray) -> np.ndarray:
-    return noise_floor(unit)
-
-
-def wrong_sides(e_a: np.ndarray, e_b: np.ndarray, u_a: np.ndarray, u_b: np.ndarray, scale: np.ndarray = 1.0):
+def wrong_sides(e_a: np.ndarray, e_b: np.ndarray, u_a: np.ndarray, u_b: np.ndarray, condition: np.ndarray = 1.0,
+                rule: np.ndarray = "", api: np.ndarray = ""):
     """(B wrong, A wrong, the wrong side's local error over the other's, floored) from both sides'
-    local errors and their results' unit roundoffs; `scale`: how much the call's own rounding grows
-    (bounds.rounding_scale: a sum's whose terms cancel)."""
-    floor_a, floor_b = replay_floor(u_a) * scale, replay_floor(u_b) * scale
+    local errors and their results' unit roundoffs; the call's condition, its rule and its API, for
+    how much its own rounding grows (bounds.rounding_floor: a sum's whose terms cancel)."""
+    floor_a, floor_b = rounding_floor(u_a, condition, rule, api), rounding_floor(u_b, condition, rule, api)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         b_wrong = e_b > replay_ratio_limit(u_b) * e_a + floor_b
         a_wrong = (e_a > replay_ratio_limit(u_a) * e_b + floor_a) & ~b_wrong
@@ -124,8 +122,8 @@ def judge(calls: Table, fallback: str, exact: bool = False, earlier: Sequence[Po
     e_a, e_b = calls["local_error_a"].astype(np.float64), calls["local_error_b"].astype(np.float64)
     u_a, u_b = calls["unit_a"].astype(np.float64), calls["unit_b"].astype(np.float64)
     replayed = ~np.isnan(e_a) & ~np.isnan(e_b)
-    b_wrong, a_wrong, local_ratio = wrong_sides(e_a, e_b, u_a, u_b,
-                                                rounding_scale(calls["condition"], calls["condition_rule"]))
+    b_wrong, a_wrong, local_ratio = wrong_sides(e_a, e_b, u_a, u_b, calls["condition"], calls["condition_rule"],
+                                                calls["api"])
     b_wrong &= replayed
     a_wrong &= replayed
     module = is_module(calls)

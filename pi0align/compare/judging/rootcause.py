@@ -35,11 +35,11 @@ from pi0align.compare.judging.bounds import (
     invariant_errors,
     noise_floor,
     reduction_condition,
-    rounding_scale,
+    rounding_floor,
     step_bounds,
 )
 from pi0align.compare.judging.identity import RESULT_ROLES, gradient_sources, produced, requires_grad
-from pi0align.compare.judging.judge import Judgement, replay_floor, replay_ratio_limit
+from pi0align.compare.judging.judge import Judgement, replay_ratio_limit
 from pi0align.compare.judging.modules import enclosing_modules, holds_calls, is_module
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, dtype_class, looser_classes
 from pi0align.compare.reading.records import INPUT_ROLES, OUTPUT_ROLES, subjects
@@ -163,7 +163,7 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     calls = calls.take(calls["output_error"] > -np.inf)  # calls with no judged output introduce nothing
     calls["kind"] = kinds(calls, first_step)
     calls["inputs_pass"] = ~calls["inputs_fail"]
-    calls["floor"] = noise_floor(calls["unit"]) * rounding_scale(calls["condition"], calls["condition_rule"])
+    calls["floor"] = rounding_floor(calls["unit"], calls["condition"], calls["condition_rule"], calls["api"])
     with np.errstate(divide="ignore", invalid="ignore"):
         calls["introduced_error"] = np.fmax(np.where(
             calls["with_calls_inside"],
@@ -519,7 +519,7 @@ def broken_bound(calls: Table, i: int, judgement: Judgement) -> tuple[float, str
     if evidence == "replay":
         wrong, other = ("b", "a") if judgement.wrong_side[i] == "B" else ("a", "b")
         unit = float(calls[f"unit_{wrong}"][i])
-        floor = float(replay_floor(unit) * rounding_scale(calls["condition"][i], calls["condition_rule"][i]))
+        floor = float(rounding_floor(unit, calls["condition"][i], calls["condition_rule"][i], calls["api"][i])[0])
         bound = float(replay_ratio_limit(unit) * calls[f"local_error_{other}"][i] + floor)
         return bound, (f"{replay_ratio_limit(unit):g} × the other side's local error + "
                        f"{floor / unit:.3g} u of {_DTYPE_OF_UNIT.get(unit, 'its dtype')}")
