@@ -13,6 +13,8 @@ import numpy as np
 
 FORMAT = "pi0align-dump"
 VERSION = 1
+# the API of the optimizer's update of one parameter, a call of its own (`<parameter>/Optimizer.step#0`)
+OPTIMIZER_API = "Optimizer.step"
 # the root attributes' values: what a dump records, at which level, with which backend
 MODES = ("stats", "sample", "tensor")
 LEVELS = ("api", "module", "mix")

@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-API = "Optimizer.step"
+from pi0align.dump.file_format import OPTIMIZER_API as API
+
 DIRECTION = "optimizer"
 # Implementation switches, not hyper-parameters: runs that differ in them compute the same update
 # up to rounding, which the records' limits judge.

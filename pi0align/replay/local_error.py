@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from pi0align.dump.arguments import tensors_of
+from pi0align.dump.file_format import OPTIMIZER_API
 from pi0align.replay.apis import NotReplayable, resolve
 from pi0align.replay.arguments import rebuild
-from pi0align.replay.optimizer import API as OPTIMIZER_API
 from pi0align.replay.optimizer import replay_update
 
 

@@ -15,8 +15,6 @@ import torch
 
 from pi0align.replay.apis import NotReplayable
 
-API = "Optimizer.step"
-
 
 def replay_update(described: dict, inputs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """The float64 update: {output index: tensor}. NotReplayable for another optimizer."""

@@ -387,6 +387,8 @@ def rule_cases() -> list[Case]:
                    Pi0Run(threads=2, device=Emulation(fault=(expert_mlp, "linear", 1, 1.03), fault_backward=True),
                           **tiny),
                    "diverged", f"{expert_mlp}.up_proj/Functional.linear#0", direction="backward", step=0)]
+    cases.append(Case("mlp bf16 tensor: ulp noise, another draw", ToyRun(dtype="bf16"),
+                      ToyRun(dtype="bf16", device=Emulation(ulp_noise=1, ulp_seed=2)), "aligned"))
     kernel = Emulation(adam_eps=1e-4)
     cases.append(Case("mlp fp32 tensor: AdamW kernel computes with eps 1e-4, its settings say 1e-8", ToyRun(),
                       ToyRun(device=kernel), "diverged", kind="optimizer", direction="optimizer", step=0,

@@ -31,6 +31,7 @@ import numpy as np
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.measuring.arguments import adam_step_for
 from pi0align.compare.table import KeyIndex, Table, lookup
+from pi0align.dump.file_format import OPTIMIZER_API
 
 # An output error up to twice what the inputs and rounding explain is the spread of the measure
 # itself (statistics see a tensor's extremes and sums, not its elements); a 3 % fault on an
@@ -81,6 +82,10 @@ NORMALIZATIONS = frozenset({"layer_norm", "group_norm", "batch_norm", "instance_
 REDUCTIONS = {"sum": "sum", "nansum": "sum", "mean": "mean", "nanmean": "mean"}
 # calls whose own rounding is amplified by their condition: sums whose terms cancel
 SUMMING_RULES = frozenset({"matmul", "reduction", "gradient sum", "softmax gradient"})
+# an optimizer's update rounds each state twice in its dtype (the parameter decayed, then stepped;
+# the second moment scaled, then added to; a fused kernel once): bf16 ulp noise on every operation
+# put 3.5 u on a bias's update, against 0.4 u for the same update without it
+UPDATE_ROUNDINGS = 2.0
 
 
 def noise_floor(unit: np.ndarray) -> np.ndarray:
@@ -103,11 +108,14 @@ def rounding_floor(unit: np.ndarray, condition: np.ndarray, rule: np.ndarray, ap
     their floor is the larger of the result's rounding, F u, and the accumulator's, F u₃₂ S (a 3 %
     fault of a linear's gradient in bfloat16, C = 12, once hid under 2 u × 12 = 9 %). Other sums
     may round partial sums in their result's precision (torch's CPU layer_norm gradient in bfloat16
-    does, its bias gradient 2.7 % apart between 1 and 2 threads): S = C on F u."""
+    does, its bias gradient 2.7 % apart between 1 and 2 threads): S = C on F u. An optimizer's
+    update is several operations: UPDATE_ROUNDINGS × F u."""
     unit = np.asarray(unit, np.float64)
-    function = np.array([str(name).rpartition(".")[2] for name in np.atleast_1d(api).tolist()], dtype=object)
+    api = np.atleast_1d(np.asarray(api, object))
+    function = np.array([str(name).rpartition(".")[2] for name in api.tolist()], dtype=object)
     accumulator = np.where(np.isin(function, list(MATMULS)), np.minimum(unit, UNIT_ROUNDOFF["float32"]), unit)
-    return np.maximum(noise_floor(unit), noise_floor(accumulator) * rounding_scale(condition, rule))
+    own = noise_floor(unit) * np.where(api == OPTIMIZER_API, UPDATE_ROUNDINGS, 1.0)
+    return np.maximum(own, noise_floor(accumulator) * rounding_scale(condition, rule))
 
 
 def invariant_errors(calls: Table, records: Table, call_of_record: np.ndarray) -> np.ndarray:

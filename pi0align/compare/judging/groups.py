@@ -13,6 +13,7 @@ from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.reading.records import subjects
 from pi0align.compare.result import CulpritGroup
 from pi0align.compare.table import Table
+from pi0align.dump.file_format import OPTIMIZER_API
 
 # APIs whose kernels multiply matrices: TF32 / HF32 switches change all of them at once
 MATMUL_FAMILY = frozenset({"linear", "matmul", "__matmul__", "__rmatmul__", "bmm", "mm", "addmm", "addbmm", "baddbmm",
@@ -26,7 +27,7 @@ def family(api: str, kind: str = "call") -> str:
     """The group a culprit joins: "matmul family" for the matmul-like kernels, "Optimizer.step" for
     the optimizer's updates (recorded, or stood for by the parameters they made), else its API."""
     if kind == "optimizer":
-        return "Optimizer.step"
+        return OPTIMIZER_API
     return "matmul family" if api.rsplit(".", 1)[-1] in MATMUL_FAMILY else api
 
 
