@@ -387,6 +387,9 @@ def rule_cases() -> list[Case]:
                    Pi0Run(threads=2, device=Emulation(fault=(expert_mlp, "linear", 1, 1.03), fault_backward=True),
                           **tiny),
                    "diverged", f"{expert_mlp}.up_proj/Functional.linear#0", direction="backward", step=0)]
+    draw = Emulation(ulp_noise=1, ulp_seed=5, fault=("blocks.2.2", "gelu", 0, 1.03))
+    cases.append(Case("mlp bf16 stats: ulp noise of another draw + gelu 3% off", ToyRun(dtype="bf16", mode="stats"),
+                      ToyRun(dtype="bf16", mode="stats", device=draw), "diverged", "blocks.2.2/Functional.gelu#0"))
     cases.append(Case("mlp bf16 tensor: ulp noise, another draw", ToyRun(dtype="bf16"),
                       ToyRun(dtype="bf16", device=Emulation(ulp_noise=1, ulp_seed=2)), "aligned"))
     kernel = Emulation(adam_eps=1e-4)

@@ -57,6 +57,7 @@ Position = tuple[int, int, int, float]
 STANDOUT = {"stats_rel_err": 4.0, "rel_l2_err": 2.0}
 FAMILY_UNITS = 256.0  # an API whose typical output error is this many unit roundoffs is off as a family
 MIN_PEERS = 4  # fewer calls of an API than this: no median to stand out from
+MIN_STEPS_BEYOND = 2  # a call beyond its bound at every one of this many steps or more is no chance
 # Adam's second moment squares the gradient (twice its relative error) and the update divides by
 # its root; statistics such as the norm of a square weigh the largest elements' errors more still
 OPTIMIZER_GAIN = 4.0
@@ -133,7 +134,7 @@ def judge(calls: Table, fallback: str, exact: bool = False, earlier: Sequence[Po
     changed = calls["inputs_identical"] & calls["outputs_differ"] & ~held
     kind, beyond = calls["kind"], beyond_bound(calls)
     off = family_off(calls)
-    peers = stands_out(calls) | off
+    peers = stands_out(calls) | off | beyond_at_every_step(calls, beyond)
     kernels = np.where(held, beyond, beyond & peers) | (changed if exact else False)
     # an update is wrong when it moved its parameter further than any step of its optimizer can
     # (bounds.step_bounds), or, beyond its gain, where its inputs agree bit for bit or every update
@@ -250,6 +251,17 @@ def stands_out(calls: Table) -> np.ndarray:
     standout = np.where(calls["metric"] == "rel_l2_err", STANDOUT["rel_l2_err"], STANDOUT["stats_rel_err"])
     with np.errstate(invalid="ignore"):
         return (peers < MIN_PEERS) | (introduced >= standout * typical)
+
+
+def beyond_at_every_step(calls: Table, beyond: np.ndarray) -> np.ndarray:
+    """The calls of a name (and rank and direction) beyond their bound at every step that ran them,
+    two or more: noise puts a call beyond its bound now and then, a faulty kernel each time it
+    runs. bf16 statistics under ulp noise, two toy models, six draws each: no call of the noise
+    alone is beyond at both steps, and the faulty call (a gelu, a softmax 3 % off) is in every
+    draw, where its peers hid it in two of twelve (docs/compare.md, "Bounds")."""
+    name = Groups(calls["rank"], calls["name"], calls["direction"])
+    every = name.min(beyond.astype(np.float64)) == 1.0
+    return (every & (name.count() >= MIN_STEPS_BEYOND))[name.codes]
 
 
 def median_without(ordered: list[float], removed: list[float]) -> float:
