@@ -234,12 +234,14 @@ def test_a_matmuls_rounding_does_not_grow_with_its_cancellation_in_half_precisio
     but a GEMM accumulates in float32 and rounds once, so 3 % is no rounding (before: its floor was
     2 u × 12 = 9 %, and PI0's expert up_proj gradient 3 % off came out aligned). A layer_norm's
     gradient sum may round partial sums in bf16 (torch's CPU kernel, 2.7 % apart at 1 and 2
-    threads): C grows its floor. In float32 the floor grows with C for both."""
-    calls = _calls(output_error=[0.03, 0.027, 2e-3], condition=[12.0, 6.0, 12.0], unit=[BF16, BF16, FP32],
-                   condition_rule=["gradient sum"] * 3, direction=["backward"] * 3, inputs_identical=[True] * 3,
-                   api=["Functional.linear", "Functional.layer_norm", "Functional.linear"])
-    assert list(calls["floor"]) == [2 * BF16, 2 * BF16 * 6.0, 16 * FP32 * 12.0]
-    assert list(judge(calls, "intrinsic").culprit) == [True, False, True]
+    threads): C grows its floor. In float32 the floor grows with C for both. A Linear module is
+    its linear (msprobe's dumps may hold the module's backward alone)."""
+    calls = _calls(output_error=[0.03, 0.027, 2e-3, 0.03], condition=[12.0, 6.0, 12.0, 12.0],
+                   unit=[BF16, BF16, FP32, BF16], condition_rule=["gradient sum"] * 4, direction=["backward"] * 4,
+                   inputs_identical=[True] * 4,
+                   api=["Functional.linear", "Functional.layer_norm", "Functional.linear", "Module.Linear"])
+    assert list(calls["floor"]) == [2 * BF16, 2 * BF16 * 6.0, 16 * FP32 * 12.0, 2 * BF16]
+    assert list(judge(calls, "intrinsic").culprit) == [True, False, True, True]
 
 
 def test_an_update_is_held_to_the_rounding_of_its_operations(workbench):

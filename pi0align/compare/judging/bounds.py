@@ -108,11 +108,12 @@ def rounding_floor(unit: np.ndarray, condition: np.ndarray, rule: np.ndarray, ap
     their floor is the larger of the result's rounding, F u, and the accumulator's, F u₃₂ S (a 3 %
     fault of a linear's gradient in bfloat16, C = 12, once hid under 2 u × 12 = 9 %). Other sums
     may round partial sums in their result's precision (torch's CPU layer_norm gradient in bfloat16
-    does, its bias gradient 2.7 % apart between 1 and 2 threads): S = C on F u. An optimizer's
-    update is several operations: UPDATE_ROUNDINGS × F u."""
+    does, its bias gradient 2.7 % apart between 1 and 2 threads): S = C on F u. A module of the
+    family (`Module.Linear`: msprobe's dumps may hold its backward and not its linear's) is one.
+    An optimizer's update is several operations: UPDATE_ROUNDINGS × F u."""
     unit = np.asarray(unit, np.float64)
     api = np.atleast_1d(np.asarray(api, object))
-    function = np.array([str(name).rpartition(".")[2] for name in api.tolist()], dtype=object)
+    function = np.array([str(name).rpartition(".")[2].lower() for name in api.tolist()], dtype=object)
     accumulator = np.where(np.isin(function, list(MATMULS)), np.minimum(unit, UNIT_ROUNDOFF["float32"]), unit)
     own = noise_floor(unit) * np.where(api == OPTIMIZER_API, UPDATE_ROUNDINGS, 1.0)
     return np.maximum(own, noise_floor(accumulator) * rounding_scale(condition, rule))
