@@ -131,6 +131,16 @@ def test_a_linears_gradient_off_under_thread_noise_is_named_from_statistics(work
     _play("PI0 tiny bf16 stats: 2 threads + the expert's up_proj gradient 3% off", workbench)
 
 
+def test_a_sampled_record_that_differs_carries_its_steps_precision_floor(workbench):
+    """Real PI0 tiny, bf16, sample mode, 1 against 2 threads: aligned. A float32 gradient whose
+    sampled elements agreed while its norm differed once counted as exact: its sum over the batch
+    (the vision embeddings' add backward) was named at 67x its float32 floor, and the update's
+    gradient, sampled elsewhere, was judged against it. With the expert's up_proj gradient 3 % off:
+    that call is named."""
+    assert not _play("PI0 tiny bf16 sample: 1 vs 2 threads", workbench).culprits
+    _play("PI0 tiny bf16 sample: 2 threads + the expert's up_proj gradient 3% off", workbench)
+
+
 def test_a_changed_batch_in_a_dump_without_checksums_or_data_records_is_the_data(workbench):
     """A dump that records neither checksums nor the batch (msprobe's): one sample of step 1's batch
     1 % off. The model's input that no dumped call produced stands for the batch. Before: a GELU

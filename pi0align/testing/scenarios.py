@@ -379,14 +379,15 @@ def rule_cases() -> list[Case]:
                              update_scaled=("blocks.1.0.weight", 1.2)),
                       "diverged", "blocks.1.0.weight/Optimizer.step#0", kind="optimizer", direction="optimizer",
                       step=0))
-    tiny = {"preset": "tiny", "dtype": "bf16", "mode": "stats"}
     expert_mlp = "model.paligemma_with_expert.gemma_expert.model.layers.1.mlp"
-    cases += [Case("PI0 tiny bf16 stats: 1 vs 2 threads", Pi0Run(threads=1, **tiny), Pi0Run(threads=2, **tiny),
-                   "aligned"),
-              Case("PI0 tiny bf16 stats: 2 threads + the expert's up_proj gradient 3% off", Pi0Run(threads=1, **tiny),
-                   Pi0Run(threads=2, device=Emulation(fault=(expert_mlp, "linear", 1, 1.03), fault_backward=True),
-                          **tiny),
-                   "diverged", f"{expert_mlp}.up_proj/Functional.linear#0", direction="backward", step=0)]
+    up_proj_off = Emulation(fault=(expert_mlp, "linear", 1, 1.03), fault_backward=True)
+    for mode in ("stats", "sample"):
+        tiny = {"preset": "tiny", "dtype": "bf16", "mode": mode}
+        cases += [Case(f"PI0 tiny bf16 {mode}: 1 vs 2 threads", Pi0Run(threads=1, **tiny), Pi0Run(threads=2, **tiny),
+                       "aligned"),
+                  Case(f"PI0 tiny bf16 {mode}: 2 threads + the expert's up_proj gradient 3% off",
+                       Pi0Run(threads=1, **tiny), Pi0Run(threads=2, device=up_proj_off, **tiny), "diverged",
+                       f"{expert_mlp}.up_proj/Functional.linear#0", direction="backward", step=0)]
     draw = Emulation(ulp_noise=1, ulp_seed=5, fault=("blocks.2.2", "gelu", 0, 1.03))
     cases.append(Case("mlp bf16 stats: ulp noise of another draw + gelu 3% off", ToyRun(dtype="bf16", mode="stats"),
                       ToyRun(dtype="bf16", mode="stats", device=draw), "diverged", "blocks.2.2/Functional.gelu#0"))

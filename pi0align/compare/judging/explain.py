@@ -96,7 +96,7 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
     settle((producer >= 0) & gather(fine(), producer, False), "producer")
     settle(_gradient_sums_within(rows, identity, error, sources, verdict, fine()), "gradient_sum")
     settle(_accumulated_within(rows, identity, producer, error, sources, verdict, fine()), "gradient_sum")
-    settle(_clipped_within(rows, error, fine()), "clipping")
+    settle(_clipped_within(rows, error, sources, fine()), "clipping")
     settle(_states_within(rows, fine(), states_before), "producer")
     settle(_states_after_gap(rows, fine(), error, sources, rounding, states_before, noisy_start), "gap")
     settle(_made_inside(rows, call, judgement, producer), "module")
@@ -160,10 +160,12 @@ def _accumulated_within(rows: Table, identity: np.ndarray, producer: np.ndarray,
         return gradients & ~readers_fail & (error <= MARGIN * np.maximum(bound, _floors(rows)))
 
 
-def _clipped_within(rows: Table, error: np.ndarray, fine: np.ndarray) -> np.ndarray:
+def _clipped_within(rows: Table, error: np.ndarray, sources: np.ndarray, fine: np.ndarray) -> np.ndarray:
     """The gradient an optimizer update reads (input 1: after clipping, which is not dumped): the
-    parameter's gradient times max_norm / ‖all gradients‖, so within MARGIN × (the gradient's
-    error + the error of the total norm), the gradient explained."""
+    parameter's gradient times max_norm / ‖all gradients‖, so within MARGIN × (the error the
+    gradient may carry, `sources`: rootcause.elementwise_errors, + the error of the total norm),
+    the gradient explained. (Sampled at other positions than the gradient's record, its elements'
+    differences are known from the gradient's floor, not its samples.)"""
     update_grad = (rows["direction"] == "optimizer") & (rows["role"] == "input") & (rows["arg_index"] == 1)
     if not update_grad.any():
         return update_grad
@@ -179,7 +181,7 @@ def _clipped_within(rows: Table, error: np.ndarray, fine: np.ndarray) -> np.ndar
     keys = ("rank", "step")
     own = lookup([*(rows[k] for k in keys), subject], [*(rows[k][gradients] for k in keys), subject[gradients]])
     own_row = np.where(own >= 0, gradients[np.maximum(own, 0)], -1)
-    gradient_error = gather(np.where(np.isnan(error), 0.0, error), own_row, np.nan)
+    gradient_error = gather(np.where(np.isnan(sources), 0.0, sources), own_row, np.nan)
     total = np.array([total_error.get(key, np.nan) for key in zip(rank.tolist(), step.tolist())])
     with np.errstate(invalid="ignore"):
         within = error <= MARGIN * np.maximum(gradient_error + total, _floors(rows))

@@ -176,11 +176,13 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
 def elementwise_errors(rows: Table) -> np.ndarray:
     """The error each record may carry in its elements, as a source of error in a bound (a call's
     input, a term of a gradient's sum): its measured error (row_error; NaN where not measured). Statistics
-    bound a tensor's elementwise error from below only: a floating record judged by them and known
-    to differ (its bits, or one of its statistics) may differ in any element by the rounding of the
-    precision its step computes in (the coarsest floating dtype of its step's records: float32
-    values computed from bfloat16 ones carry bfloat16's differences), so at least that noise floor."""
-    error, metric = row_error(rows)
+    and samples bound a tensor's elementwise error from below only: a floating record judged by them
+    and known to differ (its bits, or one of its statistics) may differ in any element by the
+    rounding of the precision its step computes in (the coarsest floating dtype of its step's
+    records: float32 values computed from bfloat16 ones carry bfloat16's differences), so at least
+    that noise floor. (A float32 gradient whose sampled elements agreed, of PI0 tiny in bf16 at 1
+    and 2 threads, once counted as exact, and the sum of it over the batch was named.)"""
+    error, _ = row_error(rows)
     classes = looser_classes(rows["dtype_a"], rows["dtype_b"]).tolist()
     roundoff = np.array([UNIT_ROUNDOFF.get(c, np.inf) for c in classes])
     floating = roundoff < UNIT_ROUNDOFF["integer"]  # no dtype (one side only): none
@@ -189,7 +191,9 @@ def elementwise_errors(rows: Table) -> np.ndarray:
     known = (rows["checksum_a"] != -1) & (rows["checksum_b"] != -1)
     with np.errstate(invalid="ignore"):
         differs = (known & ~rows["identical"].astype(bool)) | (error > 0)
-    floored = differs & floating & (metric == "stats_rel_err") & ~np.isnan(error)
+        for statistic in STATS_ERRORS:
+            differs |= rows[statistic].astype(np.float64) > 0
+    floored = differs & floating & (rows["evidence"] != "tensor") & ~np.isnan(error)
     return np.where(floored, np.maximum(error, noise_floor(coarsest)), error)
 
 
