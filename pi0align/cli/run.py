@@ -75,6 +75,8 @@ class Start:
 
 # what a run started --from another may set: where and how it runs, not what it computes
 _FROM_FIELDS = ("device", "threads", "out", "progress", "log_every", "num_workers")
+# the run folder's dump (Dumper.file names each rank's after it: dump-rank<R>.h5 on several processes)
+DUMP_FILE = Path("dump.h5")
 
 
 def start_from_args(args) -> Start:
@@ -113,7 +115,7 @@ def start_from_args(args) -> Start:
         config = checkpoint.load_config(resume_from)
         steps = args.steps if args.steps is not None else config.steps
         config = dataclasses.replace(config, out=resume_from.parent.parent, steps=steps, progress=args.progress)
-        dumps = sorted(config.out.glob("dump*.h5"))
+        dumps = sorted(config.out.glob(f"{DUMP_FILE.stem}*{DUMP_FILE.suffix}"))
         if args.dump_steps is not None and dumps:
             raise UserError(f"{dumps[0]} holds the steps this run dumped before: a resumed run dumping into its "
                             f"folder would write over them (move {', '.join(d.name for d in dumps)} out of "
@@ -133,7 +135,7 @@ def make_dumper(args, out: Path, seed: int):
         return None
     from pi0align.dump import Dumper
 
-    return Dumper(out / "dump.h5", steps=args.dump_steps, level=args.dump_level, mode=args.dump_mode,
+    return Dumper(out / DUMP_FILE, steps=args.dump_steps, level=args.dump_level, mode=args.dump_mode,
                   include=args.dump_include or None, exclude=args.dump_exclude or None,
                   perturb_ulps=args.perturb_ulps, perturb_seed=seed, backend=args.dump_backend)
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.measuring.arguments import adam_step_for
+from pi0align.compare.reading.records import function_names
 from pi0align.compare.table import KeyIndex, Table, lookup
 from pi0align.dump.file_format import OPTIMIZER_API
 
@@ -113,7 +114,7 @@ def rounding_floor(unit: np.ndarray, condition: np.ndarray, rule: np.ndarray, ap
     An optimizer's update is several operations: UPDATE_ROUNDINGS × F u."""
     unit = np.asarray(unit, np.float64)
     api = np.atleast_1d(np.asarray(api, object))
-    function = np.array([str(name).rpartition(".")[2].lower() for name in api.tolist()], dtype=object)
+    function = np.char.lower(function_names(api).astype(str))
     accumulator = np.where(np.isin(function, list(MATMULS)), np.minimum(unit, UNIT_ROUNDOFF["float32"]), unit)
     own = noise_floor(unit) * np.where(api == OPTIMIZER_API, UPDATE_ROUNDINGS, 1.0)
     return np.maximum(own, noise_floor(accumulator) * rounding_scale(condition, rule))
@@ -123,7 +124,7 @@ def invariant_errors(calls: Table, records: Table, call_of_record: np.ndarray) -
     """Per call, the error of the statistics its result keeps whatever its inputs (a softmax's
     mean: every row sums to one), 0 where it keeps none. `records` as for `conditions`, with
     `mean_val_rel_err`."""
-    function = np.array([api.rpartition(".")[2] for api in calls["api"].tolist()], dtype=object)
+    function = function_names(calls["api"])
     softmax = np.flatnonzero((calls["direction"].astype(object) != "backward") & np.isin(function, list(SOFTMAXES)))
     invariant = np.zeros(len(calls))
     invariant[softmax] = np.nan_to_num(_CallRecords(calls, records, call_of_record).output_statistic_error(
@@ -139,7 +140,7 @@ def conditions(calls: Table, records: Table, call_of_record: np.ndarray) -> tupl
     (`reduction_condition`) or its selecting a part of its input (SELECTIONS: ‖x‖ / ‖part‖, all of
     the input's error may sit in the part).
     `call_of_record`: each record's row in `calls`."""
-    function = np.array([api.rpartition(".")[2] for api in calls["api"].tolist()], dtype=object)
+    function = function_names(calls["api"])
     forward = calls["direction"].astype(object) != "backward"
     of = _CallRecords(calls, records, call_of_record)
     condition, rule = np.ones(len(calls)), np.full(len(calls), "", object)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from pi0align.compare.judging.modules import is_module_api
-from pi0align.compare.reading.records import OUTPUT_ROLES
+from pi0align.compare.reading.records import OUTPUT_ROLES, function_names
 from pi0align.compare.table import Table, isin, key_codes, lookup
 
 RESULT_ROLES = (*OUTPUT_ROLES, "parameter")  # what a call, a parameter or the batch hands on
@@ -62,7 +62,7 @@ def _through_one_sided_copies(rows: Table, side: str) -> np.ndarray:
     it sends back the one it received."""
     checksum = rows[f"checksum_{side}"].astype(np.int64)
     alone = (rows["pairing"] == f"only_{side}") & (rows["arg_index"] == 0) & np.isin(
-        np.array([api.rpartition(".")[2] for api in rows["api"].tolist()], object), list(VALUE_PRESERVING))
+        function_names(rows["api"]), list(VALUE_PRESERVING))
     keys = [rows[k] for k in ("rank", "step", "name", "direction")]
     copied = {}
     for handed, result in (("input", "output"), ("grad_output", "grad_input")):

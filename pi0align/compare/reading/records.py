@@ -64,6 +64,12 @@ def subjects(names: np.ndarray) -> np.ndarray:
     return np.array([str(n).rpartition("/")[0] for n in names.tolist()], dtype=object)
 
 
+def function_names(apis: np.ndarray) -> np.ndarray:
+    """The function each API names, what follows its last dot (`Functional.linear` -> `linear`,
+    `Module.Linear` -> `Linear`)."""
+    return np.array([str(api).rpartition(".")[2] for api in np.atleast_1d(apis).tolist()], dtype=object)
+
+
 def no_records() -> Table:
     """A records table without rows, its columns of the types readers give them."""
     kind = lambda c: object if c in _TEXT_COLUMNS else np.float64 if c in _FLOAT_COLUMNS else np.int64
