@@ -19,7 +19,7 @@ from pi0align.compare.judging.identity import gradient_sources, tensor_identitie
 from pi0align.compare.judging.judge import judge, median_without
 from pi0align.compare.judging.noise import rounding_level
 from pi0align.compare.judging.reference import raised_limits
-from pi0align.compare.judging.rootcause import CALL_COLUMNS
+from pi0align.compare.judging.rootcause import CALL_COLUMNS, introduced_by_channel, statistic_channels
 from pi0align.compare.judging.thresholds import DEFAULT_THRESHOLDS, UNIT_ROUNDOFF
 from pi0align.compare.judging.verdict import metric_errors, metric_limits
 from pi0align.compare.table import Table
@@ -263,6 +263,50 @@ def test_an_update_is_held_to_the_rounding_of_its_operations(workbench):
     floors = rounding_floor(np.full(2, BF16), np.ones(2), np.array(["", ""], object),
                             np.array(["Optimizer.step", "Functional.gelu"], object))
     assert list(floors) == [4 * BF16, 2 * BF16]
+
+
+@pytest.mark.parametrize("noise", ["mlp bf16 stats: ulp noise, draw 3, no noise reference",
+                                   "mlp bf16 stats: ulp noise, draw 8, no noise reference",
+                                   "transformer bf16 stats: ulp noise, draw 5, no noise reference"])
+def test_the_extremes_of_noise_are_explained_by_the_spread_of_the_inputs(noise, workbench):
+    """bf16 statistics under ulp noise, without a noise reference: an extreme is one element and
+    moves with the elements' noise, which a norm and a mean sum away. Before, each call's output
+    was judged by its largest statistic against its inputs' largest, and an extreme of the noise
+    named a gelu's gradient, the head or an attention matmul's gradient (7 draws of 24): now the
+    extremes are judged against the spread the inputs may carry, √N × their summed error. A fault
+    that scales a result still moves its norm: the scoreboard's faults, and the hand-built rows."""
+    assert not _play(noise, workbench).culprits
+
+
+def test_the_attention_scores_off_are_found_through_their_condition_per_product(workbench):
+    """bf16 statistics under ulp noise, the toy transformer's attention scores (q kᵀ, 4 × 4 heads)
+    3 % off: named at step 0. Before, the scores' condition, read from the whole batch's norms, was
+    4 (√16) where nothing cancels, and a fault up to 6 % hid under it (aligned). The noise alone
+    stays aligned (the scoreboard's cases, and 16 draws without a noise reference)."""
+    _play("transformer bf16 stats: ulp noise + the attention scores 3% off", workbench)
+
+
+def test_the_channels_of_statistics_on_hand_built_rows():
+    """The head of the toy MLP under bf16 ulp noise at step 1: its input's norm 0.08 % off (768
+    elements, 2 % apart each: √768 × 0.08 %), its output's min 2.7 % off: within the spread. Its
+    output 3 % off in the norm, a fault's scale, or 20 % off in an extreme: beyond. The same in
+    float32 (TF32 inputs' elements spread apart): beyond, as before."""
+    nan = np.nan
+    rows = Table({"rel_l2_err": np.array([nan, nan, 0.01]), "norm_rel_err": np.array([7.65e-4, 1.3e-3, nan]),
+                  "mean_val_rel_err": np.array([1.2e-4, 3.3e-3, nan]), "min_rel_err": np.array([3.5e-4, 0.0266, nan]),
+                  "max_val_rel_err": np.array([5.6e-3, 5.3e-3, nan]),
+                  "shape_a": np.array(["[16, 48]", "[16, 8]", "[4]"], object)})
+    summed, extremes, spread = statistic_channels(rows)
+    assert list(summed) == [7.65e-4, 3.3e-3, 0.01]
+    assert list(extremes[:2]) == [5.6e-3, 0.0266] and np.isnan(extremes[2]) and np.isnan(spread[2])
+    assert spread[0] == pytest.approx(np.sqrt(768) * 7.65e-4)
+    floor = 2 * BF16
+    calls = Table({"condition": np.full(4, 1.17), "floor": np.full(4, floor), "input_error": np.full(4, floor),
+                   "input_spread": np.full(4, spread[0]), "output_summed": np.array([3.3e-3, 0.03, 3.3e-3, 3.3e-3]),
+                   "output_extremes": np.array([0.0266, 0.03, 0.2, 0.0266]), "unit": np.array([BF16] * 3 + [FP32]),
+                   "condition_extremes": np.full(4, np.nan)})
+    # in float32 rounding's spread is within the floor: elements apart beyond it are no rounding
+    assert list(introduced_by_channel(calls) > MARGIN) == [False, True, True, True]
 
 
 def test_a_call_beyond_its_bound_at_every_step_is_a_culprit_whatever_its_peers(workbench):

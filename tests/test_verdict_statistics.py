@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pi0align.compare import compare_dumps
-from pi0align.compare.judging.bounds import conditions, invariant_errors
+from pi0align.compare.judging.bounds import conditions, extremes_conditions, invariant_errors
 from pi0align.compare.judging.judge import Judgement
 from pi0align.compare.judging.rootcause import culprit_order
 from pi0align.compare.table import Table
@@ -71,6 +71,25 @@ def test_each_api_is_conditioned_by_what_its_statistics_say():
                 (5.0, "exponential"), (1.0, ""), (1.0, "")]
     assert list(rule) == [r for _, r in expected]
     assert condition == pytest.approx([c for c, _ in expected])
+
+
+def test_a_batch_of_products_is_conditioned_per_product():
+    """PI0 small's eager attention scores, q (8, 8, 59, 8) times kᵀ, as its statistics say: the
+    norms of the whole batch are √64 times one product's scale, and nothing cancels, C = 1 (it was
+    8, and the scores 5 % off hid under it); a broadcast operand holds fewer products (√8 here); a
+    weight shared by the batch (a linear's) none. The extremes keep the whole batch's C (an average
+    shrinks its result's largest magnitude)."""
+    q, k = ("input", 0, 26.2, -3.0, 3.0, 0.0, "[8, 8, 59, 8]"), ("input", 1, 26.4, -3.0, 3.0, 0.0, "[8, 8, 8, 59]")
+    scores = ("output", 0, 26.2 * 26.4 / (8 * np.sqrt(8)), -9.0, 9.0, 0.0, "[8, 8, 59, 59]")
+    x, weight = ("input", 0, 16.0, -3.0, 3.0, 0.0, "[4, 16, 48]"), ("input", 1, 4.0, -1.0, 1.0, 0.0, "[8, 48]")
+    calls, records, of = _records(("Torch.matmul", [q, k, scores]),
+                                  ("Torch.matmul", [q, ("input", 1, 26.4, -3.0, 3.0, 0.0, "[1, 8, 8, 59]"), scores]),
+                                  ("Functional.linear", [x, weight, ("output", 0, 16.0 * 4.0 / 48.0, -1, 1, 0,
+                                                                     "[4, 16, 8]")]))
+    condition, rule = conditions(calls, records, of)
+    assert list(rule) == ["", "matmul", "matmul"]
+    assert condition == pytest.approx([1.0, np.sqrt(8.0), np.sqrt(48.0)])
+    assert extremes_conditions(calls, records, of) == pytest.approx([8.0, 8.0, np.sqrt(48.0)])
 
 
 def test_a_product_by_a_per_row_scale_is_bounded_by_its_factors_worst_rows():

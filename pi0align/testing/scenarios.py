@@ -391,6 +391,18 @@ def rule_cases() -> list[Case]:
     draw = Emulation(ulp_noise=1, ulp_seed=5, fault=("blocks.2.2", "gelu", 0, 1.03))
     cases.append(Case("mlp bf16 stats: ulp noise of another draw + gelu 3% off", ToyRun(dtype="bf16", mode="stats"),
                       ToyRun(dtype="bf16", mode="stats", device=draw), "diverged", "blocks.2.2/Functional.gelu#0"))
+    # statistics by channel: without a noise reference, the draws whose extremes moved most (an
+    # extreme of the noise was named: a gelu's gradient, the head, an attention matmul's gradient)
+    for model, seed in (("mlp", 3), ("mlp", 8), ("transformer", 5)):
+        cases.append(Case(f"{model} bf16 stats: ulp noise, draw {seed}, no noise reference",
+                          ToyRun(model=model, dtype="bf16", mode="stats"),
+                          ToyRun(model=model, dtype="bf16", mode="stats", device=Emulation(ulp_noise=1, ulp_seed=seed)),
+                          "aligned"))
+    scores_off = Emulation(ulp_noise=1, ulp_seed=2, fault=("layers.0.attention", "matmul", 0, 1.03))
+    cases.append(Case("transformer bf16 stats: ulp noise + the attention scores 3% off",
+                      ToyRun(model="transformer", dtype="bf16", mode="stats"),
+                      ToyRun(model="transformer", dtype="bf16", mode="stats", device=scores_off), "diverged",
+                      "layers.0.attention/Torch.matmul#0", step=0))
     cases.append(Case("mlp bf16 tensor: ulp noise, another draw", ToyRun(dtype="bf16"),
                       ToyRun(dtype="bf16", device=Emulation(ulp_noise=1, ulp_seed=2)), "aligned"))
     kernel = Emulation(adam_eps=1e-4)

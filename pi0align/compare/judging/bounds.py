@@ -38,7 +38,6 @@ from pi0align.dump.file_format import OPTIMIZER_API
 # itself (statistics see a tensor's extremes and sums, not its elements); a 3 % fault on an
 # input already 0.5 % off introduces 6×.
 MARGIN = 2.0
-_HALF = (UNIT_ROUNDOFF["bfloat16"], UNIT_ROUNDOFF["float16"])
 FLOOR_UNITS_HALF, FLOOR_UNITS = 2.0, 16.0
 
 # The conditions of APIs, by function name (what follows the last dot of the API); the
@@ -89,10 +88,15 @@ SUMMING_RULES = frozenset({"matmul", "reduction", "gradient sum", "softmax gradi
 UPDATE_ROUNDINGS = 2.0
 
 
+def half_precision(unit: np.ndarray) -> np.ndarray:
+    """Whether each unit roundoff is bfloat16's or float16's."""
+    return np.isin(np.asarray(unit, np.float64), (UNIT_ROUNDOFF["bfloat16"], UNIT_ROUNDOFF["float16"]))
+
+
 def noise_floor(unit: np.ndarray) -> np.ndarray:
     """F × u: the error rounding alone may put on a result of unit roundoff u (on both sides)."""
     unit = np.asarray(unit, np.float64)
-    return np.where(np.isin(unit, _HALF), FLOOR_UNITS_HALF, FLOOR_UNITS) * unit
+    return np.where(half_precision(unit), FLOOR_UNITS_HALF, FLOOR_UNITS) * unit
 
 
 def rounding_scale(condition: np.ndarray, rule: np.ndarray) -> np.ndarray:
@@ -210,7 +214,7 @@ class _CallRecords:
             self.scales = np.fmax(finite(low), finite(high))  # max |x|, a mask of -inf left out
             self.nearest_zero = np.where((low <= 0) & (high >= 0), 0.0, np.fmin(np.abs(low), np.abs(high)))
         self.means = records["mean_a"].astype(np.float64)
-        self.numels = np.array([_numel(str(shape)) for shape in records["shape_a"].tolist()], np.float64)
+        self.numels = np.array([numel_of(str(shape)) for shape in records["shape_a"].tolist()], np.float64)
 
     def record(self, at: np.ndarray, role: str, index) -> np.ndarray:
         """The row in `records` of each call's tensor of that role and argument index, -1 where none."""
@@ -331,10 +335,25 @@ def _row_scaled_product_conditions(function: np.ndarray, forward: np.ndarray, of
     return condition
 
 
-def _matmul_conditions(function: np.ndarray, of: _CallRecords) -> np.ndarray:
-    """C = ‖A‖ ‖B‖ / (√K ‖AB‖) for the matmul family (K the reduction length; NaN elsewhere): an
-    operand's relative error ε becomes about ε ‖A‖ ‖B‖ / (√K ‖AB‖) in the product, 1 for operands
-    of independent entries, more where the product cancels."""
+def extremes_conditions(calls: Table, records: Table, call_of_record: np.ndarray) -> np.ndarray:
+    """The condition of the extremes of a call's result (rootcause.introduced_by_channel): for the
+    matmul family, ‖A‖ ‖B‖ / (√K ‖AB‖) over the whole batch, which also covers how an average
+    (a softmax's weights times V) shrinks the result's largest magnitude against its operands';
+    NaN for the other calls (their `conditions`). With the per-product C, noise in the extremes
+    of the toy transformer's weights times V came out 2× its bound (C 3.2 → 1)."""
+    return _matmul_conditions(function_names(calls["api"]), _CallRecords(calls, records, call_of_record),
+                              per_product=False)
+
+
+def _matmul_conditions(function: np.ndarray, of: _CallRecords, per_product: bool = True) -> np.ndarray:
+    """C = ‖A‖ ‖B‖ / (√K √n ‖AB‖) for the matmul family (K the reduction length, n the products
+    of a batch both operands hold, 1 unless `per_product`; NaN elsewhere): an operand's relative
+    error ε becomes about ε ‖A‖ ‖B‖ / (√K ‖AB‖) in one product, 1 for operands of independent
+    entries, more where the product cancels. A batch of n products (attention's scores: one a
+    batch item and head) sums n of them in each norm: ‖A‖ ‖B‖ is √n times ‖AB‖'s scale where
+    nothing cancels (PI0's eager attention, 8 × 8 heads: C was 8, and its scores 5 % off hid
+    under it), taken alike across the batch; a weight shared by the batch (a linear's) is one
+    operand of every product, and no batch."""
     condition = np.full(len(function), np.nan)
     matmul = np.flatnonzero(np.isin(function, list(MATMULS)))
     if not len(matmul):
@@ -347,8 +366,9 @@ def _matmul_conditions(function: np.ndarray, of: _CallRecords) -> np.ndarray:
         if min(i, j, k) < 0:
             continue
         reduction = _last_dimension(str(shapes[i]))
+        products = min(_batch(str(shapes[i])), _batch(str(shapes[j]))) if per_product else 1
         if reduction and norms[k] > 0 and np.isfinite(norms[i] * norms[j]):
-            condition[call] = max(1.0, norms[i] * norms[j] / (np.sqrt(reduction) * norms[k]))
+            condition[call] = max(1.0, norms[i] * norms[j] / (np.sqrt(reduction * products) * norms[k]))
     return condition
 
 
@@ -450,7 +470,7 @@ def _summing_conditions(calls: Table, records: Table, call_of_record: np.ndarray
     if not len(incoming) or not len(results):
         return condition
     norm = records["norm_a"].astype(np.float64)
-    numel = np.array([_numel(str(shape)) for shape in records["shape_a"].tolist()], np.float64)
+    numel = np.array([numel_of(str(shape)) for shape in records["shape_a"].tolist()], np.float64)
     of_call = np.full(len(calls), -1, np.int64)
     of_call[call_of_record[incoming]] = incoming
     g = of_call[call_of_record[results]]
@@ -471,9 +491,17 @@ def dimensions(shape: str) -> tuple[int, ...] | None:
     return tuple(dims) if isinstance(dims, list) and all(isinstance(d, int) for d in dims) else None
 
 
-def _numel(shape: str) -> int:
+def numel_of(shape: str) -> int:
+    """A record's number of elements from its shape's text, 0 when it is not one."""
     dims = dimensions(shape)
     return 0 if dims is None else math.prod(dims)
+
+
+def _batch(shape: str) -> int:
+    """The matrices an operand of a matmul holds: the product of its dimensions before the last
+    two (1 for a matrix or a vector)."""
+    dims = dimensions(shape)
+    return math.prod(dims[:-2]) if dims and len(dims) > 2 else 1
 
 
 def _last_dimension(shape: str) -> int:

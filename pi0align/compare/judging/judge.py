@@ -42,9 +42,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pi0align.compare.judging.bounds import MARGIN, rounding_floor
+from pi0align.compare.judging.bounds import MARGIN, half_precision, rounding_floor
 from pi0align.compare.judging.modules import enclosing_modules, innermost, is_module, is_module_api
-from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.table import Groups, Table, isin
 
 NOISE_MODELS = ("replay", "exact", "reference", "intrinsic")
@@ -61,15 +60,14 @@ MIN_STEPS_BEYOND = 2  # a call beyond its bound at every one of this many steps 
 # Adam's second moment squares the gradient (twice its relative error) and the update divides by
 # its root; statistics such as the norm of a square weigh the largest elements' errors more still
 OPTIMIZER_GAIN = 4.0
-# replay: dynamo's same() multipliers (fp32 2, half precision 3) and the floor of the call's own
-# rounding (bounds.rounding_floor: bf16/fp16 2 u, above the ~1.3 u of a result moved by up to an
-# ulp and the ~0.4 u of rounding, below a 3 % fault, 7.7 u in bf16; fp32 16 u, room for
-# reduction-order error over long sums)
-_HALF = (UNIT_ROUNDOFF["bfloat16"], UNIT_ROUNDOFF["float16"])
 
 
 def replay_ratio_limit(unit: np.ndarray) -> np.ndarray:
-    return np.where(np.isin(unit, _HALF), 3.0, 2.0)
+    """replay: dynamo's same() multipliers (fp32 2, half precision 3) and the floor of the call's
+    own rounding (bounds.rounding_floor: bf16/fp16 2 u, above the ~1.3 u of a result moved by up
+    to an ulp and the ~0.4 u of rounding, below a 3 % fault, 7.7 u in bf16; fp32 16 u, room for
+    reduction-order error over long sums)."""
+    return np.where(half_precision(unit), 3.0, 2.0)
 
 
 def wrong_sides(e_a: np.ndarray, e_b: np.ndarray, u_a: np.ndarray, u_b: np.ndarray, condition: np.ndarray = 1.0,
@@ -356,7 +354,7 @@ def family_off(calls: Table) -> np.ndarray:
     unit = np.maximum(calls["unit_a"], calls["unit_b"]).astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         in_units = calls["output_error"].astype(np.float64) / np.where(unit > 0, unit, np.nan)
-    far_units = np.where(np.isin(unit, _HALF), 0.0, FAMILY_UNITS)
+    far_units = np.where(half_precision(unit), 0.0, FAMILY_UNITS)
     adds = family.median(calls["introduced_error"].astype(np.float64)) > MARGIN
     far = family.median(in_units) >= family.max(far_units)
     names = Groups(calls["api"], calls["direction"], calls["name"])

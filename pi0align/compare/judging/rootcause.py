@@ -30,10 +30,13 @@ from pi0align.compare.judging.bounds import (
     conditions,
     dimensions,
     explained_error,
+    extremes_conditions,
     forward_calls,
+    half_precision,
     introduced,
     invariant_errors,
     noise_floor,
+    numel_of,
     reduction_condition,
     rounding_floor,
     step_bounds,
@@ -47,6 +50,10 @@ from pi0align.compare.result import CallRef, Culprit
 from pi0align.compare.table import Groups, Table, gather, isin, lookup
 
 STATS_ERRORS = ["norm_rel_err", "mean_val_rel_err", "min_rel_err", "max_val_rel_err"]
+# A norm and a mean sum a tensor's elementwise differences, so random ones (rounding's) move them
+# about √N times less than the elements; the extremes are single elements, which move with them
+# (docs/compare.md, "Bounds": two channels)
+SUMMED_STATISTICS, EXTREME_STATISTICS = STATS_ERRORS[:2], STATS_ERRORS[2:]
 MAX_CULPRITS = 100
 CLEARLY_MORE = 10.0  # a later culprit ranks above an earlier one when its blame is this many times more
 # kind of culprit by the direction of its call ("parameter": initial_weights or parameters)
@@ -68,12 +75,32 @@ def row_error(rows: Table) -> tuple[np.ndarray, np.ndarray]:
     """(error, metric name) per row: relative L2 error where values were compared, else the
     largest relative error of the statistics."""
     rel_l2 = rows["rel_l2_err"].astype(np.float64)
-    stats = np.column_stack([rows[m].astype(np.float64) for m in STATS_ERRORS])
-    with np.errstate(invalid="ignore"):
-        stats_max = np.where(np.isnan(stats).all(axis=1), np.nan,
-                             np.nanmax(np.where(np.isnan(stats), -np.inf, stats), axis=1))
     use_values = ~np.isnan(rel_l2)
-    return np.where(use_values, rel_l2, stats_max), np.where(use_values, "rel_l2_err", "stats_rel_err")
+    return (np.where(use_values, rel_l2, _largest(rows, STATS_ERRORS)),
+            np.where(use_values, "rel_l2_err", "stats_rel_err"))
+
+
+def _largest(rows: Table, statistics: list[str]) -> np.ndarray:
+    """Per row, the largest error of those statistics; NaN where none was measured."""
+    values = np.column_stack([rows[s].astype(np.float64) for s in statistics])
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isnan(values).all(axis=1), np.nan,
+                        np.nanmax(np.where(np.isnan(values), -np.inf, values), axis=1))
+
+
+def statistic_channels(rows: Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(summed, extremes, spread) per row. Where values were compared, summed is their relative L2
+    error and the others NaN. Where statistics were: summed is the largest error of the norm and
+    the mean, which see a change of every element (a fault's scale) and damp random differences
+    by √N; extremes, the largest of the min's and max's, each an element's difference; spread,
+    √N × summed, the elementwise relative L2 error that random differences of that summed error
+    have (N the record's elements; a systematic change makes it larger, never smaller)."""
+    tensors = ~np.isnan(rows["rel_l2_err"].astype(np.float64))
+    summed = np.where(tensors, rows["rel_l2_err"].astype(np.float64), _largest(rows, SUMMED_STATISTICS))
+    extremes = np.where(tensors, np.nan, _largest(rows, EXTREME_STATISTICS))
+    numel = np.array([numel_of(str(shape)) for shape in rows["shape_a"].tolist()], np.float64)
+    spread = np.where(tensors, np.nan, np.sqrt(np.maximum(numel, 1.0)) * summed)
+    return summed, extremes, spread
 
 
 def call_directions(rows: Table) -> np.ndarray:
@@ -111,6 +138,8 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     use = np.flatnonzero(judged_records(verdict, rows))
     judged = rows.taken_when_read(use)  # about 20 of the rows' 50 columns are read
     error, metric, fail = error_rows[use], metric_rows[use], failing_rows[use]
+    summed, extremes, spread = (np.nan_to_num(np.where(rounding[use], np.nan, channel[use]))
+                                for channel in statistic_channels(rows))
     direction = call_directions(judged)
     is_in = isin(judged["role"], INPUT_ROLES)
     is_out = isin(judged["role"], (*OUTPUT_ROLES, "parameter", "parameter_grad"))
@@ -125,6 +154,12 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
         "api": judged["api"][first],
         "input_error": groups.max(np.where(is_in & ~np.isnan(sources[use]), sources[use], 0.0)),
         "output_error": groups.max(np.where(is_out, np.where(np.isnan(error), 0.0, error), -np.inf)),
+        # the output's error by channel (statistic_channels), and the spread its inputs and
+        # outputs may carry in their elements
+        "output_summed": groups.max(np.where(is_out, summed, 0.0)),
+        "output_extremes": groups.max(np.where(is_out, extremes, 0.0)),
+        "input_spread": groups.max(np.where(is_in, spread, 0.0)),
+        "output_spread": groups.max(np.where(is_out, spread, 0.0)),
         "inputs_fail": groups.any(is_in & fail), "outputs_fail": groups.any(is_out & fail),
         "unit": groups.max(np.where(is_out, roundoff, 0.0)),
         "metric": groups.max_text(np.where(is_out, metric, "").astype(object)),
@@ -141,6 +176,7 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
         "outputs_differ": groups.any(is_out & ~identical),
     })
     calls["condition"], calls["condition_rule"] = conditions(calls, judged, groups.codes)
+    calls["condition_extremes"] = extremes_conditions(calls, judged, groups.codes)
     calls["invariant_error"] = invariant_errors(calls, judged, groups.codes)
     calls["sourced"] = np.ones(len(calls), bool)  # False: what made its input is not known
     calls["previous_step"] = np.full(len(calls), -1, np.int64)
@@ -168,9 +204,25 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
         calls["introduced_error"] = np.fmax(np.where(
             calls["with_calls_inside"],
             introduced(calls["inside_error"], calls["input_error"], calls["condition"], calls["floor"]),
-            introduced(calls["output_error"], calls["input_error"], calls["condition"], calls["floor"])),
-            calls["invariant_error"] / calls["floor"])
+            introduced_by_channel(calls)), calls["invariant_error"] / calls["floor"])
     return calls.select(CALL_COLUMNS).take(np.lexsort((calls["rank"], calls["seq_a"], calls["step"])))
+
+
+def introduced_by_channel(calls: Table) -> np.ndarray:
+    """A call's introduced error from its output's statistics, by channel (statistic_channels): the
+    summed ones against its inputs' errors, the extremes against the spread its inputs may also
+    carry (an extreme of bfloat16 ulp noise moved 2.7 % where the norms moved 0.1 % and the
+    inputs' statistics 0.6 %: their elements were 2 % apart). In half precision only: in float32,
+    rounding's spread is within the floor (16 u), and elements apart beyond it were made by
+    something else (TF32 inputs, another kernel), which each call is held to as before. Full
+    tensors are judged by their relative L2 error, whole. Each channel through its condition
+    (bounds.extremes_conditions)."""
+    floor, input_error = calls["floor"], calls["input_error"]
+    summed = introduced(calls["output_summed"], input_error, calls["condition"], floor)
+    spread = np.where(half_precision(calls["unit"]), calls["input_spread"], 0.0)
+    condition = np.fmax(calls["condition"], calls["condition_extremes"])
+    extremes = introduced(calls["output_extremes"], np.fmax(input_error, spread), condition, floor)
+    return np.fmax(summed, extremes)
 
 
 def elementwise_errors(rows: Table) -> np.ndarray:
@@ -386,6 +438,8 @@ def _add_saved_tensors(calls: Table) -> None:
     source = saved[backward]
     saved_error = np.maximum(calls["input_error"][source], calls["output_error"][source])
     calls["input_error"][backward] = np.fmax(calls["input_error"][backward], saved_error)
+    saved_spread = np.maximum(calls["input_spread"][source], calls["output_spread"][source])
+    calls["input_spread"][backward] = np.fmax(calls["input_spread"][backward], saved_spread)
     calls["inputs_fail"][backward] |= calls["inputs_fail"][source] | calls["outputs_fail"][source]
     calls["inputs_identical"][backward] &= calls["inputs_identical"][source] & ~calls["outputs_differ"][source]
 
@@ -462,10 +516,12 @@ def _batch_stand_ins(calls: Table, rows: Table, call_of_row: np.ndarray, model_i
     stand_ins["api"] = np.full(n, "Data", object)
     stand_ins["name"] = np.array([f"{rows['name'][r]}/input {rows['arg_index'][r]}" for r in rows_of], object)
     stand_ins["output_error"], stand_ins["metric"] = error[rows_of], metric[rows_of]
-    for column, value in (("input_error", 0.0), ("inputs_fail", False), ("outputs_fail", True),
+    stand_ins["output_summed"] = error[rows_of]  # its whole error: nothing it was handed explains it
+    for column, value in (("input_error", 0.0), ("output_extremes", 0.0), ("input_spread", 0.0),
+                          ("output_spread", 0.0), ("inputs_fail", False), ("outputs_fail", True),
                           ("inputs_identical", True), ("outputs_differ", True), ("args_differ", False),
                           ("inside_error", 0.0), ("with_calls_inside", False), ("condition", 1.0),
-                          ("condition_rule", ""), ("invariant_error", 0.0),
+                          ("condition_rule", ""), ("condition_extremes", np.nan), ("invariant_error", 0.0),
                           ("local_error_a", np.nan), ("local_error_b", np.nan), ("replay", "")):
         stand_ins[column] = np.full(n, value, dtype=object if isinstance(value, str) else None)
     return stand_ins
