@@ -74,7 +74,7 @@ def test_each_api_is_conditioned_by_what_its_statistics_say():
 
 
 def test_a_batch_of_products_is_conditioned_per_product():
-    """PI0 small's eager attention scores, q (8, 8, 59, 8) times kᵀ, as its statistics say: the
+    """PI0 tiny's eager attention scores, q (8, 8, 59, 8) times kᵀ, as its statistics say: the
     norms of the whole batch are √64 times one product's scale, and nothing cancels, C = 1 (it was
     8, and the scores 5 % off hid under it); a broadcast operand holds fewer products (√8 here); a
     weight shared by the batch (a linear's) none. The extremes keep the whole batch's C (an average

@@ -351,9 +351,9 @@ def _matmul_conditions(function: np.ndarray, of: _CallRecords, per_product: bool
     error ε becomes about ε ‖A‖ ‖B‖ / (√K ‖AB‖) in one product, 1 for operands of independent
     entries, more where the product cancels. A batch of n products (attention's scores: one a
     batch item and head) sums n of them in each norm: ‖A‖ ‖B‖ is √n times ‖AB‖'s scale where
-    nothing cancels (PI0's eager attention, 8 × 8 heads: C was 8, and its scores 5 % off hid
-    under it), taken alike across the batch; a weight shared by the batch (a linear's) is one
-    operand of every product, and no batch."""
+    nothing cancels (PI0 tiny's eager attention, batch 8 × 8 heads: C was 8, and its scores 5 %
+    off were within it wherever their inputs already differed), taken alike across the batch; a
+    weight shared by the batch (a linear's) is one operand of every product, and no batch."""
     condition = np.full(len(function), np.nan)
     matmul = np.flatnonzero(np.isin(function, list(MATMULS)))
     if not len(matmul):
