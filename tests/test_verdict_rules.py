@@ -286,6 +286,14 @@ def test_the_attention_scores_off_are_found_through_their_condition_per_product(
     _play("transformer bf16 stats: ulp noise + the attention scores 3% off", workbench)
 
 
+def test_a_gradient_off_in_its_norm_is_found_whatever_noise_moved_the_extremes_it_reads(workbench):
+    """bf16 statistics under ulp noise, a linear's gradient 3 % off: noise moved its incoming
+    gradient's min 3 % (its norm 0.4 %), which as the call's input error held every result to
+    2 × 1.8 × 3 % (aligned, before, in six draws of six). Its results' norms, which noise moves √N
+    times less than their elements, are judged against that noise too: named."""
+    _play("mlp bf16 stats: ulp noise + a linear's gradient 3% off", workbench)
+
+
 def test_the_channels_of_statistics_on_hand_built_rows():
     """The head of the toy MLP under bf16 ulp noise at step 1: its input's norm 0.08 % off (768
     elements, 2 % apart each: √768 × 0.08 %), its output's min 2.7 % off: within the spread. Its
@@ -304,7 +312,7 @@ def test_the_channels_of_statistics_on_hand_built_rows():
     calls = Table({"condition": np.full(4, 1.17), "floor": np.full(4, floor), "input_error": np.full(4, floor),
                    "input_spread": np.full(4, spread[0]), "output_summed": np.array([3.3e-3, 0.03, 3.3e-3, 3.3e-3]),
                    "output_extremes": np.array([0.0266, 0.03, 0.2, 0.0266]), "unit": np.array([BF16] * 3 + [FP32]),
-                   "condition_extremes": np.full(4, np.nan)})
+                   "condition_extremes": np.full(4, np.nan), "summed_against_noise": np.zeros(4)})
     # in float32 rounding's spread is within the floor: elements apart beyond it are no rounding
     assert list(introduced_by_channel(calls) > MARGIN) == [False, True, True, True]
 

@@ -398,6 +398,11 @@ def rule_cases() -> list[Case]:
                           ToyRun(model=model, dtype="bf16", mode="stats"),
                           ToyRun(model=model, dtype="bf16", mode="stats", device=Emulation(ulp_noise=1, ulp_seed=seed)),
                           "aligned"))
+    # a linear's gradient 3 % off where noise moved an extreme of its incoming gradient 3 %
+    gradient_off = Emulation(ulp_noise=1, fault=("blocks.1.0", "linear", 0, 1.03), fault_backward=True)
+    cases.append(Case("mlp bf16 stats: ulp noise + a linear's gradient 3% off", ToyRun(dtype="bf16", mode="stats"),
+                      ToyRun(dtype="bf16", mode="stats", device=gradient_off), "diverged",
+                      "blocks.1.0/Functional.linear#0", direction="backward"))
     scores_off = Emulation(ulp_noise=1, ulp_seed=2, fault=("layers.0.attention", "matmul", 0, 1.03))
     cases.append(Case("transformer bf16 stats: ulp noise + the attention scores 3% off",
                       ToyRun(model="transformer", dtype="bf16", mode="stats"),

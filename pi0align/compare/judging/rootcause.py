@@ -138,8 +138,11 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     use = np.flatnonzero(judged_records(verdict, rows))
     judged = rows.taken_when_read(use)  # about 20 of the rows' 50 columns are read
     error, metric, fail = error_rows[use], metric_rows[use], failing_rows[use]
+    summed_all, extremes, spread = statistic_channels(rows)
+    summed_sources = np.nan_to_num(np.where(rounding, np.nan, elementwise_errors(rows, summed_all)))[use]
     summed, extremes, spread = (np.nan_to_num(np.where(rounding[use], np.nan, channel[use]))
-                                for channel in statistic_channels(rows))
+                                for channel in (summed_all, extremes, spread))
+    numel = np.array([numel_of(str(shape)) for shape in judged["shape_a"].tolist()], np.float64)
     direction = call_directions(judged)
     is_in = isin(judged["role"], INPUT_ROLES)
     is_out = isin(judged["role"], (*OUTPUT_ROLES, "parameter", "parameter_grad"))
@@ -154,11 +157,12 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
         "api": judged["api"][first],
         "input_error": groups.max(np.where(is_in & ~np.isnan(sources[use]), sources[use], 0.0)),
         "output_error": groups.max(np.where(is_out, np.where(np.isnan(error), 0.0, error), -np.inf)),
-        # the output's error by channel (statistic_channels), and the spread its inputs and
-        # outputs may carry in their elements
+        # the output's error by channel (statistic_channels), the inputs' summed errors (each
+        # floored, as `sources`), and the spread its inputs and outputs may carry in their elements
         "output_summed": groups.max(np.where(is_out, summed, 0.0)),
         "output_extremes": groups.max(np.where(is_out, extremes, 0.0)),
         "input_spread": groups.max(np.where(is_in, spread, 0.0)),
+        "input_summed": groups.max(np.where(is_in, summed_sources, 0.0)),
         "output_spread": groups.max(np.where(is_out, spread, 0.0)),
         "inputs_fail": groups.any(is_in & fail), "outputs_fail": groups.any(is_out & fail),
         "unit": groups.max(np.where(is_out, roundoff, 0.0)),
@@ -187,6 +191,7 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     _add_parameter_sources(calls, parameters_before, noisy_start)
     calls["step_bound"], calls["parameter_error"] = step_bounds(calls, judged, groups.codes, error)
     _add_saved_tensors(calls)
+    calls["summed_against_noise"] = _summed_against_noise(calls, groups.codes, is_out, summed, numel)
     _add_gradient_sources(calls, rows, identity, sources, failing_rows)
     call_of_row = np.full(len(rows), -1, np.int64)
     call_of_row[use] = groups.codes
@@ -210,9 +215,10 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
 
 def introduced_by_channel(calls: Table) -> np.ndarray:
     """A call's introduced error from its output's statistics, by channel (statistic_channels): the
-    summed ones against its inputs' errors, the extremes against the spread its inputs may also
-    carry (an extreme of bfloat16 ulp noise moved 2.7 % where the norms moved 0.1 % and the
-    inputs' statistics 0.6 %: their elements were 2 % apart). In half precision only: in float32,
+    summed ones against its inputs' errors, and in half precision also against what the noise of
+    their elements explains (`_summed_against_noise`); the extremes against the spread its inputs
+    may also carry (an extreme of bfloat16 ulp noise moved 2.7 % where the norms moved 0.1 % and
+    the inputs' statistics 0.6 %: their elements were 2 % apart). In half precision only: in float32,
     rounding's spread is within the floor (16 u), and elements apart beyond it were made by
     something else (TF32 inputs, another kernel), which each call is held to as before. Full
     tensors are judged by their relative L2 error, whole. Each channel through its condition
@@ -222,10 +228,37 @@ def introduced_by_channel(calls: Table) -> np.ndarray:
     spread = np.where(half_precision(calls["unit"]), calls["input_spread"], 0.0)
     condition = np.fmax(calls["condition"], calls["condition_extremes"])
     extremes = introduced(calls["output_extremes"], np.fmax(input_error, spread), condition, floor)
-    return np.fmax(summed, extremes)
+    return np.fmax(np.fmax(summed, extremes), calls["summed_against_noise"])
 
 
-def elementwise_errors(rows: Table) -> np.ndarray:
+# A norm's or a mean's move under random elementwise noise is a normal draw of about the
+# elements' relative error / √N: beyond 3 of them in 0.3 % of results
+NOISE_DRAWS = 3.0
+
+
+def _summed_against_noise(calls: Table, call_of_record: np.ndarray, is_out: np.ndarray, summed: np.ndarray,
+                          numel: np.ndarray) -> np.ndarray:
+    """Per call, in half precision, the largest of its results' summed errors (statistic_channels)
+    over what its inputs explain in them: C × the inputs' summed errors (a scale they carry, each
+    floored as elementwise_errors), or NOISE_DRAWS × C × the inputs' spread / √N of the result (the
+    noise their elements carry, summed away), or its own rounding's floor. A fault that scales a
+    result moves its norm alike at every N; noise moves it √N times less than its elements: a
+    linear's gradient 5 % off in its norm, under noise that moved an extreme of its incoming
+    gradient 3 % (its input error), was within 2 × 1.8 × 3 % (introduced_by_channel). 0 for calls
+    whose inputs carry no spread (statistics of inputs that agree, or full tensors)."""
+    c = call_of_record
+    condition, spread = calls["condition"], calls["input_spread"]
+    floor = rounding_floor(calls["unit"], condition, calls["condition_rule"], calls["api"])
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        noise = NOISE_DRAWS * condition[c] * spread[c] / np.sqrt(np.maximum(numel, 1.0))
+        bound = np.maximum(np.maximum(condition[c] * calls["input_summed"][c], noise), floor[c])
+        ratio = np.where(is_out & half_precision(calls["unit"])[c] & (spread[c] > 0), summed / bound, 0.0)
+    largest = np.zeros(len(calls))
+    np.maximum.at(largest, c, np.nan_to_num(ratio))
+    return largest
+
+
+def elementwise_errors(rows: Table, error: np.ndarray | None = None) -> np.ndarray:
     """The error each record may carry in its elements, as a source of error in a bound (a call's
     input, a term of a gradient's sum): its measured error (row_error; NaN where not measured). Statistics
     and samples bound a tensor's elementwise error from below only: a floating record judged by them
@@ -234,7 +267,8 @@ def elementwise_errors(rows: Table) -> np.ndarray:
     records: float32 values computed from bfloat16 ones carry bfloat16's differences), so at least
     that noise floor. (A float32 gradient whose sampled elements agreed, of PI0 tiny in bf16 at 1
     and 2 threads, once counted as exact, and the sum of it over the batch was named.)"""
-    error, _ = row_error(rows)
+    if error is None:
+        error, _ = row_error(rows)
     classes = looser_classes(rows["dtype_a"], rows["dtype_b"]).tolist()
     roundoff = np.array([UNIT_ROUNDOFF.get(c, np.inf) for c in classes])
     floating = roundoff < UNIT_ROUNDOFF["integer"]  # no dtype (one side only): none
@@ -285,7 +319,8 @@ def _add_module_parameters(calls: Table, judged: Table, error: np.ndarray, fail:
     for i in modules.tolist():
         entry = worst.get((int(calls["rank"][i]), int(calls["step"][i]), str(calls["module"][i])))
         if entry is not None:
-            calls["input_error"][i] = max(calls["input_error"][i], entry[0])
+            for column in ("input_error", "input_summed"):
+                calls[column][i] = max(calls[column][i], entry[0])
             calls["inputs_fail"][i] |= entry[1]
             calls["inputs_identical"][i] &= entry[2]
 
@@ -438,8 +473,9 @@ def _add_saved_tensors(calls: Table) -> None:
     source = saved[backward]
     saved_error = np.maximum(calls["input_error"][source], calls["output_error"][source])
     calls["input_error"][backward] = np.fmax(calls["input_error"][backward], saved_error)
-    saved_spread = np.maximum(calls["input_spread"][source], calls["output_spread"][source])
-    calls["input_spread"][backward] = np.fmax(calls["input_spread"][backward], saved_spread)
+    for column, output in (("input_spread", "output_spread"), ("input_summed", "output_summed")):
+        saved = np.maximum(calls[column][source], calls[output][source])
+        calls[column][backward] = np.fmax(calls[column][backward], saved)
     calls["inputs_fail"][backward] |= calls["inputs_fail"][source] | calls["outputs_fail"][source]
     calls["inputs_identical"][backward] &= calls["inputs_identical"][source] & ~calls["outputs_differ"][source]
 
@@ -517,7 +553,8 @@ def _batch_stand_ins(calls: Table, rows: Table, call_of_row: np.ndarray, model_i
     stand_ins["name"] = np.array([f"{rows['name'][r]}/input {rows['arg_index'][r]}" for r in rows_of], object)
     stand_ins["output_error"], stand_ins["metric"] = error[rows_of], metric[rows_of]
     stand_ins["output_summed"] = error[rows_of]  # its whole error: nothing it was handed explains it
-    for column, value in (("input_error", 0.0), ("output_extremes", 0.0), ("input_spread", 0.0),
+    for column, value in (("input_error", 0.0), ("output_extremes", 0.0), ("summed_against_noise", 0.0),
+                          ("input_summed", 0.0), ("input_spread", 0.0),
                           ("output_spread", 0.0), ("inputs_fail", False), ("outputs_fail", True),
                           ("inputs_identical", True), ("outputs_differ", True), ("args_differ", False),
                           ("inside_error", 0.0), ("with_calls_inside", False), ("condition", 1.0),
