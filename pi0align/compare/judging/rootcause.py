@@ -260,13 +260,14 @@ def _summed_against_noise(calls: Table, call_of_record: np.ndarray, is_out: np.n
 
 def elementwise_errors(rows: Table, error: np.ndarray | None = None) -> np.ndarray:
     """The error each record may carry in its elements, as a source of error in a bound (a call's
-    input, a term of a gradient's sum): its measured error (row_error; NaN where not measured). Statistics
-    and samples bound a tensor's elementwise error from below only: a floating record judged by them
-    and known to differ (its bits, or one of its statistics) may differ in any element by the
-    rounding of the precision its step computes in (the coarsest floating dtype of its step's
-    records: float32 values computed from bfloat16 ones carry bfloat16's differences), so at least
-    that noise floor. (A float32 gradient whose sampled elements agreed, of PI0 tiny in bf16 at 1
-    and 2 threads, once counted as exact, and the sum of it over the batch was named.)"""
+    input, a term of a gradient's sum): its measured error (`error`, by default row_error's; NaN
+    where not measured). Statistics and samples bound a tensor's elementwise error from below only:
+    a floating record judged by them and known to differ (its bits, or one of its statistics) may
+    differ in any element by the rounding of the precision its step computes in (the coarsest
+    floating dtype of its step's records: float32 values computed from bfloat16 ones carry
+    bfloat16's differences), so at least that noise floor. (A float32 gradient whose sampled
+    elements agreed, of PI0 tiny in bf16 at 1 and 2 threads, once counted as exact, and the sum of
+    it over the batch was named.)"""
     if error is None:
         error, _ = row_error(rows)
     classes = looser_classes(rows["dtype_a"], rows["dtype_b"]).tolist()
