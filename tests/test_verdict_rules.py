@@ -289,7 +289,7 @@ def test_the_attention_scores_off_are_found_through_their_condition_per_product(
 def test_a_gradient_off_in_its_norm_is_found_whatever_noise_moved_the_extremes_it_reads(workbench):
     """bf16 statistics under ulp noise, a linear's gradient 3 % off: noise moved its incoming
     gradient's min 3 % (its norm 0.4 %), which as the call's input error held every result to
-    2 × 1.8 × 3 % (aligned, before, in six draws of six). Its results' norms, which noise moves √N
+    2 × 1.8 × 3 % (before: aligned in three to six draws of six). Its results' norms, which noise moves √N
     times less than their elements, are judged against that noise too: named."""
     _play("mlp bf16 stats: ulp noise + a linear's gradient 3% off", workbench)
 
