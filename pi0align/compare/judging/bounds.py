@@ -214,7 +214,7 @@ class _CallRecords:
             self.scales = np.fmax(finite(low), finite(high))  # max |x|, a mask of -inf left out
             self.nearest_zero = np.where((low <= 0) & (high >= 0), 0.0, np.fmin(np.abs(low), np.abs(high)))
         self.means = records["mean_a"].astype(np.float64)
-        self.numels = np.array([numel_of(str(shape)) for shape in records["shape_a"].tolist()], np.float64)
+        self.numels = numels(records["shape_a"])
 
     def record(self, at: np.ndarray, role: str, index) -> np.ndarray:
         """The row in `records` of each call's tensor of that role and argument index, -1 where none."""
@@ -470,7 +470,7 @@ def _summing_conditions(calls: Table, records: Table, call_of_record: np.ndarray
     if not len(incoming) or not len(results):
         return condition
     norm = records["norm_a"].astype(np.float64)
-    numel = np.array([numel_of(str(shape)) for shape in records["shape_a"].tolist()], np.float64)
+    numel = numels(records["shape_a"])
     of_call = np.full(len(calls), -1, np.int64)
     of_call[call_of_record[incoming]] = incoming
     g = of_call[call_of_record[results]]
@@ -491,8 +491,15 @@ def dimensions(shape: str) -> tuple[int, ...] | None:
     return tuple(dims) if isinstance(dims, list) and all(isinstance(d, int) for d in dims) else None
 
 
-def numel_of(shape: str) -> int:
-    """A record's number of elements from its shape's text, 0 when it is not one."""
+def numels(shapes: np.ndarray) -> np.ndarray:
+    """Each record's number of elements from its shape's text (0 where it is not one), each
+    distinct shape read once."""
+    shapes = shapes.tolist()
+    table = {shape: _numel(str(shape)) for shape in set(shapes)}
+    return np.array([table[shape] for shape in shapes], np.float64)
+
+
+def _numel(shape: str) -> int:
     dims = dimensions(shape)
     return 0 if dims is None else math.prod(dims)
 

@@ -36,7 +36,7 @@ from pi0align.compare.judging.bounds import (
     introduced,
     invariant_errors,
     noise_floor,
-    numel_of,
+    numels,
     reduction_condition,
     rounding_floor,
     step_bounds,
@@ -98,8 +98,7 @@ def statistic_channels(rows: Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     tensors = ~np.isnan(rows["rel_l2_err"].astype(np.float64))
     summed = np.where(tensors, rows["rel_l2_err"].astype(np.float64), _largest(rows, SUMMED_STATISTICS))
     extremes = np.where(tensors, np.nan, _largest(rows, EXTREME_STATISTICS))
-    numel = np.array([numel_of(str(shape)) for shape in rows["shape_a"].tolist()], np.float64)
-    spread = np.where(tensors, np.nan, np.sqrt(np.maximum(numel, 1.0)) * summed)
+    spread = np.where(tensors, np.nan, np.sqrt(np.maximum(numels(rows["shape_a"]), 1.0)) * summed)
     return summed, extremes, spread
 
 
@@ -133,16 +132,17 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     rounding: it stands for the updates before."""
     failing_rows = (verdict == "fail") & ~rounding
     error_rows, metric_rows = row_error(rows)
-    sources = np.where(rounding, np.nan, elementwise_errors(rows))  # rounding noise enters no call
+    summed_all, extremes, spread = statistic_channels(rows)
+    floors = precision_floors(rows)
+    # as sources of error in a bound (elementwise_errors); rounding noise enters no call
+    sources = np.where(rounding, np.nan, at_least(error_rows, floors))
+    summed_sources = np.where(rounding, np.nan, at_least(summed_all, floors))
     error_rows[rounding] = np.nan  # noise that no call made: it neither enters nor leaves a call
     use = np.flatnonzero(judged_records(verdict, rows))
     judged = rows.taken_when_read(use)  # about 20 of the rows' 50 columns are read
     error, metric, fail = error_rows[use], metric_rows[use], failing_rows[use]
-    summed_all, extremes, spread = statistic_channels(rows)
-    summed_sources = np.nan_to_num(np.where(rounding, np.nan, elementwise_errors(rows, summed_all)))[use]
-    summed, extremes, spread = (np.nan_to_num(np.where(rounding[use], np.nan, channel[use]))
-                                for channel in (summed_all, extremes, spread))
-    numel = np.array([numel_of(str(shape)) for shape in judged["shape_a"].tolist()], np.float64)
+    summed, extremes, spread, summed_sources = (np.nan_to_num(np.where(rounding[use], np.nan, channel[use]))
+                                                for channel in (summed_all, extremes, spread, summed_sources))
     direction = call_directions(judged)
     is_in = isin(judged["role"], INPUT_ROLES)
     is_out = isin(judged["role"], (*OUTPUT_ROLES, "parameter", "parameter_grad"))
@@ -191,7 +191,8 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     _add_parameter_sources(calls, parameters_before, noisy_start)
     calls["step_bound"], calls["parameter_error"] = step_bounds(calls, judged, groups.codes, error)
     _add_saved_tensors(calls)
-    calls["summed_against_noise"] = _summed_against_noise(calls, groups.codes, is_out, summed, numel)
+    calls["summed_against_noise"] = _summed_against_noise(calls, groups.codes, is_out, summed,
+                                                          numels(judged["shape_a"]))
     _add_gradient_sources(calls, rows, identity, sources, failing_rows)
     call_of_row = np.full(len(rows), -1, np.int64)
     call_of_row[use] = groups.codes
@@ -258,18 +259,21 @@ def _summed_against_noise(calls: Table, call_of_record: np.ndarray, is_out: np.n
     return largest
 
 
-def elementwise_errors(rows: Table, error: np.ndarray | None = None) -> np.ndarray:
+def elementwise_errors(rows: Table) -> np.ndarray:
     """The error each record may carry in its elements, as a source of error in a bound (a call's
-    input, a term of a gradient's sum): its measured error (`error`, by default row_error's; NaN
-    where not measured). Statistics and samples bound a tensor's elementwise error from below only:
-    a floating record judged by them and known to differ (its bits, or one of its statistics) may
-    differ in any element by the rounding of the precision its step computes in (the coarsest
-    floating dtype of its step's records: float32 values computed from bfloat16 ones carry
-    bfloat16's differences), so at least that noise floor. (A float32 gradient whose sampled
-    elements agreed, of PI0 tiny in bf16 at 1 and 2 threads, once counted as exact, and the sum of
-    it over the batch was named.)"""
-    if error is None:
-        error, _ = row_error(rows)
+    input, a term of a gradient's sum): its measured error (row_error; NaN where not measured), at
+    least its precision floor (`precision_floors`)."""
+    return at_least(row_error(rows)[0], precision_floors(rows))
+
+
+def precision_floors(rows: Table) -> np.ndarray:
+    """Per record, the error it carries at least as a source (0 for most). Statistics and samples
+    bound a tensor's elementwise error from below only: a floating record judged by them and known
+    to differ (its bits, its samples, or one of its statistics) may differ in any element by the
+    rounding of the precision its step computes in (the coarsest floating dtype of its step's
+    records: float32 values computed from bfloat16 ones carry bfloat16's differences), so at least
+    that noise floor. (A float32 gradient whose sampled elements agreed, of PI0 tiny in bf16 at 1
+    and 2 threads, once counted as exact, and the sum of it over the batch was named.)"""
     classes = looser_classes(rows["dtype_a"], rows["dtype_b"]).tolist()
     roundoff = np.array([UNIT_ROUNDOFF.get(c, np.inf) for c in classes])
     floating = roundoff < UNIT_ROUNDOFF["integer"]  # no dtype (one side only): none
@@ -277,11 +281,15 @@ def elementwise_errors(rows: Table, error: np.ndarray | None = None) -> np.ndarr
     coarsest = step.max(np.where(floating, roundoff, 0.0))[step.codes]
     known = (rows["checksum_a"] != -1) & (rows["checksum_b"] != -1)
     with np.errstate(invalid="ignore"):
-        differs = (known & ~rows["identical"].astype(bool)) | (error > 0)
+        differs = (known & ~rows["identical"].astype(bool)) | (rows["rel_l2_err"].astype(np.float64) > 0)
         for statistic in STATS_ERRORS:
             differs |= rows[statistic].astype(np.float64) > 0
-    floored = differs & floating & (rows["evidence"] != "tensor") & ~np.isnan(error)
-    return np.where(floored, np.maximum(error, noise_floor(coarsest)), error)
+    return np.where(differs & floating & (rows["evidence"] != "tensor"), noise_floor(coarsest), 0.0)
+
+
+def at_least(error: np.ndarray, floors: np.ndarray) -> np.ndarray:
+    """Each measured error raised to its floor; NaN (not measured) stays."""
+    return np.where(np.isnan(error), error, np.maximum(error, floors))
 
 
 def _units(dtypes: np.ndarray) -> np.ndarray:
