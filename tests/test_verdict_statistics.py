@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pi0align.compare import compare_dumps
-from pi0align.compare.judging.bounds import conditions, extremes_conditions, invariant_errors
+from pi0align.compare.judging.bounds import conditions, extremes_conditions, invariant_errors, result_conditions
 from pi0align.compare.judging.judge import Judgement
 from pi0align.compare.judging.rootcause import culprit_order
 from pi0align.compare.table import Table
@@ -438,3 +438,38 @@ def test_a_changed_batch_in_msprobe_statistics_dumps_is_the_data(level, tmp_path
     first = result.first_divergence
     assert result.verdict == "diverged" and (first.kind, first.step) == ("data", 1), (first, result.notes[-2:])
     assert all(c.step == 1 for c in result.culprits)
+
+
+def test_each_result_of_a_linears_backward_is_conditioned_on_its_own():
+    """The toy transformer's first qkv linear at step 0, as its statistics say (its operands'
+    gradients made smaller, as where they cancel): dX = G W sums over
+    the 96 output features, dW = Gᵀ X over the 48 positions, C = ‖G‖ ‖O‖ / (√K ‖R‖) each, from the
+    forward call's operands; the bias gradient sums G over the positions, reduction_condition.
+    Without its forward call, the operand gradients keep the call's C (NaN)."""
+    x, w = ("input", 0, 39.19, -3.0, 3.0, 0.0, "[4, 12, 32]"), ("input", 1, 5.623, -1.0, 1.0, 0.0, "[96, 32]")
+    forward = [x, w, ("input", 2, 1.02, -1.0, 1.0, 0.0, "[96]"), ("output", 0, 40.15, -9.0, 9.0, 0.0, "[4, 12, 96]")]
+    g = ("grad_output", 0, 0.01153, -1e-3, 1e-3, 0.0, "[4, 12, 96]")
+    dx, dw = ("grad_input", 0, 0.002, -1e-3, 1e-3, 0.0, "[4, 12, 32]"), ("grad_input", 1, 0.02, -1, 1, 0, "[96, 32]")
+    backward = [g, dx, dw, ("grad_input", 2, 0.05898, -1e-2, 1e-2, 0.0, "[96]")]
+    calls, records, of = _records(("Functional.linear", forward), ("Functional.linear", backward),
+                                  ("Functional.linear", backward))
+    calls["direction"] = np.array(["forward", "backward", "backward"], object)
+    calls["name"] = np.array(["qkv", "qkv", "elsewhere"], object)  # the last one's forward was not recorded
+    records["direction"] = np.array(["forward"] * 4 + ["backward"] * 8, object)
+    condition, extremes = result_conditions(calls, records, of)
+    per_result = [0.01153 * 5.623 / (np.sqrt(96) * 0.002), 0.01153 * 39.19 / (np.sqrt(48) * 0.02),
+                  np.sqrt(4 * 12) * 0.01153 / 0.05898]  # 3.3, 3.3 (their gradients cancel), 1.35
+    assert np.isnan(condition[:5]).all() and condition[5:8] == pytest.approx(per_result)
+    assert extremes[5:7] == pytest.approx(per_result[:2]) and np.isnan(extremes[7])
+    assert np.isnan(condition[9:11]).all() and condition[11] == pytest.approx(per_result[2])
+    # a batch of products both operands hold: C per product, the extremes' over the batch
+    q, k = ("input", 0, 26.2, -3.0, 3.0, 0.0, "[8, 8, 59, 8]"), ("input", 1, 26.4, -3.0, 3.0, 0.0, "[8, 8, 8, 59]")
+    scores = ("output", 0, 100.0, -9.0, 9.0, 0.0, "[8, 8, 59, 59]")
+    gradients = [("grad_output", 0, 10.0, -1.0, 1.0, 0.0, "[8, 8, 59, 59]"),
+                 ("grad_input", 0, 10.0 * 26.4 / (8 * np.sqrt(59)), -1.0, 1.0, 0.0, "[8, 8, 59, 8]")]
+    calls, records, of = _records(("Torch.matmul", [q, k, scores]), ("Torch.matmul", gradients))
+    calls["direction"] = np.array(["forward", "backward"], object)
+    calls["name"] = np.array(["scores", "scores"], object)
+    records["direction"] = np.array(["forward"] * 3 + ["backward"] * 2, object)
+    condition, extremes = result_conditions(calls, records, of)
+    assert condition[4] == pytest.approx(1.0) and extremes[4] == pytest.approx(8.0)

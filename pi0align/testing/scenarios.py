@@ -403,6 +403,12 @@ def rule_cases() -> list[Case]:
     cases.append(Case("mlp bf16 stats: ulp noise + a linear's gradient 3% off", ToyRun(dtype="bf16", mode="stats"),
                       ToyRun(dtype="bf16", mode="stats", device=gradient_off), "diverged",
                       "blocks.1.0/Functional.linear#0", direction="backward"))
+    # a linear's gradient 2 % off whose bias gradient sums with C = 3.7: each result held to its own C
+    mlp_gradient_off = Emulation(ulp_noise=1, fault=("layers.0.mlp", "linear", 0, 1.02), fault_backward=True)
+    cases.append(Case("transformer bf16 stats: ulp noise + an MLP linear's gradient 2% off",
+                      ToyRun(model="transformer", dtype="bf16", mode="stats"),
+                      ToyRun(model="transformer", dtype="bf16", mode="stats", device=mlp_gradient_off), "diverged",
+                      "layers.0.mlp.0/Functional.linear#0", direction="backward", step=0))
     scores_off = Emulation(ulp_noise=1, ulp_seed=2, fault=("layers.0.attention", "matmul", 0, 1.03))
     cases.append(Case("transformer bf16 stats: ulp noise + the attention scores 3% off",
                       ToyRun(model="transformer", dtype="bf16", mode="stats"),

@@ -38,6 +38,7 @@ from pi0align.compare.judging.bounds import (
     noise_floor,
     numels,
     reduction_condition,
+    result_conditions,
     rounding_floor,
     step_bounds,
 )
@@ -65,7 +66,7 @@ KIND_OF_DIRECTION = {"forward": "call", "backward": "call", "update": "call", "o
 PHASES = ("parameter", "data", "forward", "backward", "gradient", "update", "optimizer")
 CALL_COLUMNS = ["rank", "step", "direction", "kind", "seq_a", "name", "module", "api", "input_error", "output_error",
                 "inputs_pass", "outputs_fail", "introduced_error", "condition", "condition_rule", "invariant_error",
-                "unit", "floor", "metric",
+                "bound_condition", "unit", "floor", "metric",
                 "local_error_a", "local_error_b", "unit_a", "unit_b", "replay", "args_differ", "inputs_identical",
                 "outputs_differ", "inside_error", "with_calls_inside", "sourced", "previous_step", "step_bound",
                 "parameter_error"]
@@ -160,7 +161,6 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
         # the output's error by channel (statistic_channels), the inputs' summed errors (each
         # floored, as `sources`), and the spread its inputs and outputs may carry in their elements
         "output_summed": groups.max(np.where(is_out, summed, 0.0)),
-        "output_extremes": groups.max(np.where(is_out, extremes, 0.0)),
         "input_spread": groups.max(np.where(is_in, spread, 0.0)),
         "input_summed": groups.max(np.where(is_in, summed_sources, 0.0)),
         "output_spread": groups.max(np.where(is_out, spread, 0.0)),
@@ -181,6 +181,11 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     })
     calls["condition"], calls["condition_rule"] = conditions(calls, judged, groups.codes)
     calls["condition_extremes"] = extremes_conditions(calls, judged, groups.codes)
+    out = np.flatnonzero(is_out)
+    condition, condition_extremes = (c[out] for c in result_conditions(calls, judged, groups.codes))
+    results = Table({"call": groups.codes[out], "summed": summed[out], "extremes": extremes[out],
+                     "numel": numels(judged["shape_a"][out]), "condition": condition,
+                     "condition_extremes": condition_extremes})
     calls["invariant_error"] = invariant_errors(calls, judged, groups.codes)
     calls["sourced"] = np.ones(len(calls), bool)  # False: what made its input is not known
     calls["previous_step"] = np.full(len(calls), -1, np.int64)
@@ -191,8 +196,6 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     _add_parameter_sources(calls, parameters_before, noisy_start)
     calls["step_bound"], calls["parameter_error"] = step_bounds(calls, judged, groups.codes, error)
     _add_saved_tensors(calls)
-    calls["summed_against_noise"] = _summed_against_noise(calls, groups.codes, is_out, summed,
-                                                          numels(judged["shape_a"]))
     _add_gradient_sources(calls, rows, identity, sources, failing_rows)
     call_of_row = np.full(len(rows), -1, np.int64)
     call_of_row[use] = groups.codes
@@ -200,36 +203,58 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     model_inputs = _model_inputs(calls, rows, call_of_row, producer, parent, identity)
     # the batch entered no module from an undumped call: it is data, not the module's
     _add_inside_errors(calls, rows, call_of_row, producer, parent, identity, error_rows, failing_rows & ~model_inputs)
-    calls = Table.concat([calls, _batch_stand_ins(calls, rows, call_of_row, model_inputs, error_rows,
-                                                  failing_rows, metric_rows)])
+    stand_ins = _batch_stand_ins(calls, rows, call_of_row, model_inputs, error_rows, failing_rows, metric_rows)
+    results = Table.concat([results, _stand_in_results(stand_ins, len(calls))])
+    calls = Table.concat([calls, stand_ins])
+    calls["group"] = np.arange(len(calls))  # what `results` refer to
     calls = calls.take(calls["output_error"] > -np.inf)  # calls with no judged output introduce nothing
     calls["kind"] = kinds(calls, first_step)
     calls["inputs_pass"] = ~calls["inputs_fail"]
     calls["floor"] = rounding_floor(calls["unit"], calls["condition"], calls["condition_rule"], calls["api"])
+    by_channel, calls["bound_condition"] = introduced_by_channel(calls, results)
     with np.errstate(divide="ignore", invalid="ignore"):
         calls["introduced_error"] = np.fmax(np.where(
             calls["with_calls_inside"],
             introduced(calls["inside_error"], calls["input_error"], calls["condition"], calls["floor"]),
-            introduced_by_channel(calls)), calls["invariant_error"] / calls["floor"])
+            by_channel), calls["invariant_error"] / calls["floor"])
     return calls.select(CALL_COLUMNS).take(np.lexsort((calls["rank"], calls["seq_a"], calls["step"])))
 
 
-def introduced_by_channel(calls: Table) -> np.ndarray:
-    """A call's introduced error from its output's statistics, by channel (statistic_channels): the
-    summed ones against its inputs' errors, and in half precision also against what the noise of
-    their elements explains (`_summed_against_noise`); the extremes against the spread its inputs
-    may also carry (an extreme of bfloat16 ulp noise moved 2.7 % where the norms moved 0.1 % and
-    the inputs' statistics 0.6 %: their elements were 2 % apart). In half precision only: in float32,
+def introduced_by_channel(calls: Table, results: Table) -> tuple[np.ndarray, np.ndarray]:
+    """(introduced error, the condition that bound it) per call: the largest over its results
+    (`results`: each judged output's call by `calls["group"]`, its statistic channels, elements and
+    its own condition where bounds.result_conditions gives one, else the call's) of each channel's
+    error over what the call's inputs explain through that result's condition. The summed ones
+    against the inputs' errors, and in half precision also against what the noise of their
+    elements explains (`_summed_against_noise`); the extremes against the spread the inputs may
+    also carry (an extreme of bfloat16 ulp noise moved 2.7 % where the norms moved 0.1 % and the
+    inputs' statistics 0.6 %: their elements were 2 % apart). In half precision only: in float32,
     rounding's spread is within the floor (16 u), and elements apart beyond it were made by
     something else (TF32 inputs, another kernel), which each call is held to as before. Full
-    tensors are judged by their relative L2 error, whole. Each channel through its condition
-    (bounds.extremes_conditions)."""
-    floor, input_error = calls["floor"], calls["input_error"]
-    summed = introduced(calls["output_summed"], input_error, calls["condition"], floor)
-    spread = np.where(half_precision(calls["unit"]), calls["input_spread"], 0.0)
-    condition = np.fmax(calls["condition"], calls["condition_extremes"])
-    extremes = introduced(calls["output_extremes"], np.fmax(input_error, spread), condition, floor)
-    return np.fmax(np.fmax(summed, extremes), calls["summed_against_noise"])
+    tensors are judged by their relative L2 error, whole. The extremes through their own condition
+    where larger (bounds.extremes_conditions)."""
+    position = np.full(max(calls["group"].max(initial=-1), results["call"].max(initial=-1)) + 1, -1, np.int64)
+    position[calls["group"]] = np.arange(len(calls))
+    c = position[results["call"]]
+    results, c = results.take(c >= 0), c[c >= 0]
+    own = ~np.isnan(results["condition"])
+    condition = np.where(own, results["condition"], calls["condition"][c])
+    extremes_condition = np.fmax(condition, np.where(own, results["condition_extremes"],
+                                                     calls["condition_extremes"][c]))
+    unit, input_error = calls["unit"][c], calls["input_error"][c]
+    floor = rounding_floor(unit, condition, calls["condition_rule"][c], calls["api"][c])
+    spread = np.where(half_precision(unit), calls["input_spread"][c], 0.0)
+    summed = introduced(results["summed"], input_error, condition, floor)
+    extremes = introduced(results["extremes"], np.fmax(input_error, spread), extremes_condition, floor)
+    against_noise = _summed_against_noise(results["summed"], results["numel"], spread, calls["input_summed"][c],
+                                          condition, floor)
+    ratio = np.fmax(np.fmax(summed, extremes), against_noise)
+    ratio = np.where(np.isnan(ratio), -np.inf, ratio)  # an infinite one stays infinite
+    largest, bound_condition = np.zeros(len(calls)), calls["condition"].astype(np.float64)
+    order = np.lexsort((ratio, c))
+    last = order[np.r_[c[order][1:] != c[order][:-1], True]] if len(order) else order  # each call's largest
+    largest[c[last]], bound_condition[c[last]] = np.maximum(ratio[last], 0.0), condition[last]
+    return largest, bound_condition
 
 
 # A norm's or a mean's move under random elementwise noise is a normal draw of about the
@@ -237,26 +262,30 @@ def introduced_by_channel(calls: Table) -> np.ndarray:
 NOISE_DRAWS = 3.0
 
 
-def _summed_against_noise(calls: Table, call_of_record: np.ndarray, is_out: np.ndarray, summed: np.ndarray,
-                          numel: np.ndarray) -> np.ndarray:
-    """Per call, in half precision, the largest of its results' summed errors (statistic_channels)
-    over what its inputs explain in them: C × the inputs' summed errors (a scale they carry, each
-    floored as elementwise_errors), or NOISE_DRAWS × C × the inputs' spread / √N of the result (the
-    noise their elements carry, summed away), or its own rounding's floor. A fault that scales a
-    result moves its norm alike at every N; noise moves it √N times less than its elements: a
-    linear's gradient 5 % off in its norm, under noise that moved an extreme of its incoming
-    gradient 3 % (its input error), was within 2 × 1.8 × 3 % (introduced_by_channel). 0 for calls
-    whose inputs carry no spread (statistics of inputs that agree, or full tensors)."""
-    c = call_of_record
-    condition, spread = calls["condition"], calls["input_spread"]
-    floor = rounding_floor(calls["unit"], condition, calls["condition_rule"], calls["api"])
+def _summed_against_noise(summed: np.ndarray, numel: np.ndarray, spread: np.ndarray, input_summed: np.ndarray,
+                          condition: np.ndarray, floor: np.ndarray) -> np.ndarray:
+    """Per result, in half precision (`spread`: its call's inputs' spread there, 0 elsewhere), its
+    summed error (statistic_channels) over what its call's inputs explain in it: C × the inputs'
+    summed errors (a scale they carry, each floored as elementwise_errors), or NOISE_DRAWS × C ×
+    the inputs' spread / √N of the result (the noise their elements carry, summed away), or its own
+    rounding's floor. A fault that scales a result moves its norm alike at every N; noise moves it
+    √N times less than its elements: a linear's gradient 5 % off in its norm, under noise that
+    moved an extreme of its incoming gradient 3 % (its input error), was within 2 × 1.8 × 3 %
+    (introduced_by_channel). 0 for results whose inputs carry no spread (statistics of inputs that
+    agree, or full tensors)."""
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        noise = NOISE_DRAWS * condition[c] * spread[c] / np.sqrt(np.maximum(numel, 1.0))
-        bound = np.maximum(np.maximum(condition[c] * calls["input_summed"][c], noise), floor[c])
-        ratio = np.where(is_out & half_precision(calls["unit"])[c] & (spread[c] > 0), summed / bound, 0.0)
-    largest = np.zeros(len(calls))
-    np.maximum.at(largest, c, np.nan_to_num(ratio))
-    return largest
+        noise = NOISE_DRAWS * condition * spread / np.sqrt(np.maximum(numel, 1.0))
+        bound = np.maximum(np.maximum(condition * input_summed, noise), floor)
+        return np.where(spread > 0, summed / bound, 0.0)
+
+
+def _stand_in_results(stand_ins: Table, first: int) -> Table:
+    """The results of the batch's stand-ins (numbered from `first` in the call table): their whole
+    error, summed, and nothing their inputs explain."""
+    n = len(stand_ins)
+    return Table({"call": np.arange(first, first + n), "summed": stand_ins["output_summed"].astype(np.float64),
+                  "extremes": np.zeros(n), "numel": np.ones(n), "condition": np.full(n, np.nan),
+                  "condition_extremes": np.full(n, np.nan)})
 
 
 def elementwise_errors(rows: Table) -> np.ndarray:
@@ -562,8 +591,7 @@ def _batch_stand_ins(calls: Table, rows: Table, call_of_row: np.ndarray, model_i
     stand_ins["name"] = np.array([f"{rows['name'][r]}/input {rows['arg_index'][r]}" for r in rows_of], object)
     stand_ins["output_error"], stand_ins["metric"] = error[rows_of], metric[rows_of]
     stand_ins["output_summed"] = error[rows_of]  # its whole error: nothing it was handed explains it
-    for column, value in (("input_error", 0.0), ("output_extremes", 0.0), ("summed_against_noise", 0.0),
-                          ("input_summed", 0.0), ("input_spread", 0.0),
+    for column, value in (("input_error", 0.0), ("input_summed", 0.0), ("input_spread", 0.0),
                           ("output_spread", 0.0), ("inputs_fail", False), ("outputs_fail", True),
                           ("inputs_identical", True), ("outputs_differ", True), ("args_differ", False),
                           ("inside_error", 0.0), ("with_calls_inside", False), ("condition", 1.0),
@@ -629,13 +657,15 @@ def broken_bound(calls: Table, i: int, judgement: Judgement) -> tuple[float, str
         bound = float(replay_ratio_limit(unit) * calls[f"local_error_{other}"][i] + floor)
         return bound, (f"{replay_ratio_limit(unit):g} × the other side's local error + "
                        f"{floor / unit:.3g} u of {_DTYPE_OF_UNIT.get(unit, 'its dtype')}")
-    floor, unit = float(calls["floor"][i]), float(calls["unit"][i])
-    condition, rule = float(calls["condition"][i]), str(calls["condition_rule"][i])
+    unit, rule = float(calls["unit"][i]), str(calls["condition_rule"][i])
     if calls["with_calls_inside"][i]:
-        return floor, "what entered the module from no dumped call, within its rounding"
+        return float(calls["floor"][i]), "what entered the module from no dumped call, within its rounding"
+    condition = float(calls["bound_condition"][i])  # of the result that broke it
+    floor = float(rounding_floor(unit, condition, rule, calls["api"][i])[0])
+    if condition != float(calls["condition"][i]):
+        rule = "its result's own"  # bounds.result_conditions
     invariant = float(calls["invariant_error"][i])
-    bound = float(explained_error(calls["input_error"][i:i + 1], calls["condition"][i:i + 1],
-                                  calls["floor"][i:i + 1])[0])
+    bound = float(explained_error(calls["input_error"][i:i + 1], np.array([condition]), np.array([floor]))[0])
     rounding = f"{floor / unit:.3g} u of {_DTYPE_OF_UNIT.get(unit, 'its dtype')}" if unit else "rounding"
     if invariant and invariant / floor >= float(calls["introduced_error"][i]):
         return floor, f"rounding alone ({rounding}): the statistic its {rule} result keeps whatever its inputs"
