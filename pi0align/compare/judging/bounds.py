@@ -400,9 +400,8 @@ def result_conditions(calls: Table, records: Table, call_of_record: np.ndarray) 
     other = of.record(forward_calls(calls, backward)[k], "input", other_operand)  # -1 where none
     norms, numel, shapes = of.norms, of.numels, records["shape_a"]
     known = (g >= 0) & (norms[results] > 0) & (numel[results] > 0)
-    summing = results[known & ~towards_operand]
-    condition[summing] = reduction_condition(norms[g[known & ~towards_operand]], numel[g[known & ~towards_operand]],
-                                             norms[summing], numel[summing])
+    bias, summed = known & ~towards_operand, results[known & ~towards_operand]
+    condition[summed] = reduction_condition(norms[g[bias]], numel[g[bias]], norms[summed], numel[summed])
     taken = known & towards_operand & (other >= 0)
     r, g, other = results[taken], g[taken], other[taken]
     products = np.array([min(_batch(str(shapes[i])), _batch(str(shapes[j])), _batch(str(shapes[m])))
