@@ -442,10 +442,10 @@ def test_a_changed_batch_in_msprobe_statistics_dumps_is_the_data(level, tmp_path
 
 def test_each_result_of_a_linears_backward_is_conditioned_on_its_own():
     """The toy transformer's first qkv linear at step 0, as its statistics say (its operands'
-    gradients made smaller, as where they cancel): dX = G W sums over
-    the 96 output features, dW = Gᵀ X over the 48 positions, C = ‖G‖ ‖O‖ / (√K ‖R‖) each, from the
-    forward call's operands; the bias gradient sums G over the positions, reduction_condition.
-    Without its forward call, the operand gradients keep the call's C (NaN)."""
+    gradients made smaller, as where they cancel): dX = G W sums over the 96 output features,
+    dW = Gᵀ X over the 48 positions, C = ‖G‖ ‖O‖ / (√K ‖R‖) each, from the forward call's
+    operands; the bias gradient sums G over the positions, reduction_condition. Without its
+    forward call, the operand gradients keep the call's C (NaN)."""
     x, w = ("input", 0, 39.19, -3.0, 3.0, 0.0, "[4, 12, 32]"), ("input", 1, 5.623, -1.0, 1.0, 0.0, "[96, 32]")
     forward = [x, w, ("input", 2, 1.02, -1.0, 1.0, 0.0, "[96]"), ("output", 0, 40.15, -9.0, 9.0, 0.0, "[4, 12, 96]")]
     g = ("grad_output", 0, 0.01153, -1e-3, 1e-3, 0.0, "[4, 12, 96]")
