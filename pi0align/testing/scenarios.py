@@ -403,6 +403,12 @@ def rule_cases() -> list[Case]:
     cases.append(Case("mlp bf16 stats: ulp noise + a linear's gradient 3% off", ToyRun(dtype="bf16", mode="stats"),
                       ToyRun(dtype="bf16", mode="stats", device=gradient_off), "diverged",
                       "blocks.1.0/Functional.linear#0", direction="backward"))
+    # a known gap, kept on the scoreboard: at level module the loss's gradient (computed outside the
+    # model) and the operations between child modules are not dumped, and this noise comes out diverged
+    cases.append(Case("mlp bf16 stats, level module: ulp noise, no noise reference",
+                      ToyRun(dtype="bf16", mode="stats", level="module"),
+                      ToyRun(dtype="bf16", mode="stats", level="module", device=Emulation(ulp_noise=1, ulp_seed=2)),
+                      "aligned"))
     # a linear's gradient 2 % off whose bias gradient sums with C = 3.7: each result held to its own C
     mlp_gradient_off = Emulation(ulp_noise=1, fault=("layers.0.mlp", "linear", 0, 1.02), fault_backward=True)
     cases.append(Case("transformer bf16 stats: ulp noise + an MLP linear's gradient 2% off",
