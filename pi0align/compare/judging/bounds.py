@@ -368,8 +368,15 @@ def _matmul_conditions(function: np.ndarray, of: _CallRecords, per_product: bool
         reduction = _last_dimension(str(shapes[i]))
         products = min(_batch(str(shapes[i])), _batch(str(shapes[j]))) if per_product else 1
         if reduction and norms[k] > 0 and np.isfinite(norms[i] * norms[j]):
-            condition[call] = max(1.0, norms[i] * norms[j] / (np.sqrt(reduction * products) * norms[k]))
+            condition[call] = matmul_condition(norms[i], norms[j], norms[k], reduction, products)
     return condition
+
+
+def matmul_condition(norm_a, norm_b, norm_product, reduction, products):
+    """‖A‖ ‖B‖ / (√(K n) ‖AB‖), at least 1: the matmul family's condition, K the reduction length
+    and n the products of a batch both operands hold (`_matmul_conditions`)."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return np.maximum(1.0, norm_a * norm_b / (np.sqrt(reduction * products) * norm_product))
 
 
 def result_conditions(calls: Table, records: Table, call_of_record: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -406,12 +413,12 @@ def result_conditions(calls: Table, records: Table, call_of_record: np.ndarray) 
     r, g, other = results[taken], g[taken], other[taken]
     products = np.array([min(_batch(str(shapes[i])), _batch(str(shapes[j])), _batch(str(shapes[m])))
                          for i, j, m in zip(g.tolist(), other.tolist(), r.tolist())], np.float64)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        squared_reduction = numel[g] * numel[other] / numel[r] / products  # K²
-        whole = norms[g] * norms[other] / (squared_reduction**0.25 * norms[r])
-    finite = np.isfinite(whole)
-    condition[r[finite]] = np.maximum(1.0, whole[finite] / np.sqrt(products[finite]))
-    extremes[r[finite]] = np.maximum(1.0, whole[finite])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        reduction = np.sqrt(numel[g] * numel[other] / numel[r] / products)  # K
+    per_product = matmul_condition(norms[g], norms[other], norms[r], reduction, products)
+    finite = np.isfinite(per_product)
+    condition[r[finite]] = per_product[finite]
+    extremes[r[finite]] = matmul_condition(norms[g], norms[other], norms[r], reduction, 1.0)[finite]
     return condition, extremes
 
 
