@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pi0align.compare.judging.bounds import MARGIN, introduced, reduction_condition, rounding_floor
-from pi0align.compare.judging.explain import _states_after_gap
+from pi0align.compare.judging.explain import _states_after_gap, _unread_output
 from pi0align.compare.judging.identity import gradient_sources, tensor_identities
 from pi0align.compare.judging.judge import judge, median_without
 from pi0align.compare.judging.noise import rounding_level
@@ -565,3 +565,28 @@ def test_a_peermedian_without_a_names_calls_is_nanmedians(values, data):
     expected = np.nanmedian(rest) if len(rest) and not np.isnan(rest).all() else np.nan
     got = median_without(sorted(values[~np.isnan(values)].tolist()), values[own].tolist())
     assert got == expected or (np.isnan(got) and np.isnan(expected))
+
+
+def test_a_gradient_whose_output_no_dumped_call_read_is_named_as_such(workbench):
+    """At level module the loss, computed after the model, is not dumped: the gradient entering the
+    head's backward has no dumped producer and nothing bounds it. Noise alone comes out diverged
+    without a culprit (the known gap on the scoreboard); the note says why and what to do, where it
+    said the gradient's dumped readers did not explain it, when there were none."""
+    result, _ = play(CASES["mlp bf16 stats, level module: ulp noise, no noise reference"], *workbench)
+    note = next(note for note in result.notes if note.startswith("no call introduces error beyond noise"))
+    assert "head/Module.Linear#0" in note and "forward output no dumped call read" in note
+    assert "level mix" in note and "--noise" in note
+
+
+def test_an_output_is_unread_only_where_no_forward_input_holds_its_tensor():
+    """Hand-built rows: a call's output (checksum 7) read by the next call, another's (checksum 9)
+    by none; their backward rows' incoming gradients."""
+    rows = Table({"rank": np.zeros(6, int), "step": np.zeros(6, int),
+                  "name": np.array(["a", "b", "b", "c", "a", "c"], object),
+                  "direction": np.array(["forward", "forward", "forward", "forward", "backward", "backward"], object),
+                  "role": np.array(["output", "input", "output", "output", "grad_output", "grad_output"], object),
+                  "arg_index": np.zeros(6, int)})
+    identity = np.array([7, 7, 8, 9, -1, -1])
+    assert not _unread_output(rows, identity, 4)
+    assert _unread_output(rows, identity, 5)
+    assert not _unread_output(rows, np.array([7, 7, 8, -1, -1, -1]), 5)  # its tensor not known: not said

@@ -175,7 +175,7 @@ class Conclusion:
         for rule, count in explanation.counts().items():
             self.explained[rule] = self.explained.get(rule, 0) + count
         if failing.any() and self.first is None:  # what parted first, where no call is a culprit
-            self._first_failing_row(rows, calls, stack_of)
+            self._first_failing_row(rows, calls, identity, stack_of)
         self._store(rows)
 
     def comparison(self, runs_reference: dict[int, Dump] | None) -> Comparison:
@@ -223,11 +223,11 @@ class Conclusion:
                     self.unpaired_example[side] = found[0]
         self.ranks.update(np.unique(rows["rank"]).tolist())
 
-    def _first_failing_row(self, rows: Table, calls: Table, stack_of: Callable) -> None:
+    def _first_failing_row(self, rows: Table, calls: Table, identity: np.ndarray, stack_of: Callable) -> None:
         """Keep the first failing row of all windows (explain.first_failing's order)."""
         _, key = first_failing(rows)
         if self.unexplained is None or key < self.unexplained[0]:
-            self.unexplained = (key, *unexplained_source(rows, calls, stack_of))
+            self.unexplained = (key, *unexplained_source(rows, calls, identity, stack_of))
 
     def _store(self, rows: Table) -> None:
         """The window's rows, ROW_COLUMNS, each rank's a part (read in order of rank, then step)."""

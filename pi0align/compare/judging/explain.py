@@ -336,6 +336,11 @@ _SOURCES = {
     ("backward", "grad_output"): "a gradient flowing into the call that its readers' dumped gradients do not "
                                  "explain: a hook, gradient accumulation, or a backward operation that was not "
                                  "dumped",
+    ("backward", "unread grad_output"): "a gradient flowing into the call whose forward output no dumped call "
+                                        "read: what read it was not dumped (a loss or other code after the model; "
+                                        "at level module, the arithmetic between modules), so nothing bounds this "
+                                        "gradient; dump at level mix, compute the loss inside the model's forward, "
+                                        "or compare against a noise reference (--noise)",
     ("parameter", "parameter_grad"): "a parameter's gradient that no dumped backward call explains: gradient "
                                      "accumulation, all-reduce, a hook, or an operation that was not dumped",
     ("update", "input"): "what the step's update read differs from what its backward made (a gradient beyond the "
@@ -359,14 +364,29 @@ def first_failing(rows: Table) -> tuple[int, tuple[int, int, int, float]]:
     return int(failing[first]), (int(rank[first]), int(step[first]), int(phase[first]), float(seq[first]))
 
 
-def unexplained_source(rows: Table, calls: Table, stack_of) -> tuple[CallRef | None, str]:
+def unexplained_source(rows: Table, calls: Table, identity: np.ndarray, stack_of) -> tuple[CallRef | None, str]:
     """The call of the first failing row in execution order (`first_failing`), where no call is a
     culprit, and a note saying what that row is: the unrecorded operation or input that parted first."""
     from pi0align.compare.judging.rootcause import call_ref
 
     row, _ = first_failing(rows)
     call = calls_of(rows, calls)[row]
-    what = _SOURCES.get((str(rows["direction"][row]), str(rows["role"][row])), "a record that no call's bound explains")
+    role = str(rows["role"][row])
+    if role == "grad_output" and _unread_output(rows, identity, row):
+        role = "unread grad_output"
+    what = _SOURCES.get((str(rows["direction"][row]), role), "a record that no call's bound explains")
     note = (f"no call introduces error beyond noise, but {rows['name'][row]} (step {rows['step'][row]}, "
             f"{rows['role'][row]} {rows['arg_index'][row]}) differs: {what}")
     return (call_ref(calls, int(call), stack_of) if call >= 0 else None), note
+
+
+def _unread_output(rows: Table, identity: np.ndarray, row: int) -> bool:
+    """Whether the forward output that the backward `row`'s incoming gradient belongs to was read by
+    no dumped call (its tensor known, and no forward input of its step holding it)."""
+    forward = (rows["rank"] == rows["rank"][row]) & (rows["step"] == rows["step"][row]) & \
+        (rows["direction"] == "forward")
+    output = np.flatnonzero(forward & (rows["name"] == rows["name"][row]) & (rows["role"] == "output")
+                            & (rows["arg_index"] == rows["arg_index"][row]))
+    if not len(output) or identity[output[0]] < 0:
+        return False
+    return not (forward & (rows["role"] == "input") & (identity == identity[output[0]])).any()
