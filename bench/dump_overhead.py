@@ -115,6 +115,7 @@ def alternate(step_plain, variants: dict, rounds: int, settle: dict | None = Non
 
 def bench_ours(args, work: Path) -> list[tuple[str, list[float], float, int]]:
     from pi0align import Dumper
+    from pi0align.train.loop import frozen_heap
 
     policy, optimizer, step = build(args, work / "run")
     dumpers, variants, counts = {}, {}, {}
@@ -141,7 +142,8 @@ def bench_ours(args, work: Path) -> list[tuple[str, list[float], float, int]]:
         os.sync()  # the OS writes the dirty pages now, not during the steps timed next
 
     settles = {name: functools.partial(settle, dumper) for name, dumper in dumpers.items()}
-    ratios = alternate(step, variants, args.rounds, settle=settles)
+    with frozen_heap():  # as `pi0align run` steps
+        ratios = alternate(step, variants, args.rounds, settle=settles)
     for dumper in dumpers.values():
         dumper.__exit__(None, None, None)
     plain_time = _plain_time(step)
@@ -196,6 +198,8 @@ def device_ops_per_record(args, work: Path) -> dict[str, tuple[float, int]]:
 def bench_msprobe(args, work: Path, name: str) -> list[tuple[str, list[float], float, int]]:
     from msprobe.pytorch import PrecisionDebugger
 
+    from pi0align.train.loop import frozen_heap
+
     task, level = MSPROBE[name]
     policy, _, step = build(args, work / "run")
 
@@ -211,7 +215,8 @@ def bench_msprobe(args, work: Path, name: str) -> list[tuple[str, list[float], f
         debugger.step()
         count += 1
 
-    ratios = alternate(step, {name: run}, args.rounds)
+    with frozen_heap():
+        ratios = alternate(step, {name: run}, args.rounds)
     return [(name, ratios[name], _plain_time(step), folder_bytes(out) // count)]
 
 

@@ -4,6 +4,7 @@ backends, to the same run with it off, in the same process."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 import h5py
@@ -44,3 +45,23 @@ def test_loss_and_grad_norm_are_bit_identical_with_dumping(plain, tmp_path, leve
 
 def test_an_undumped_run_after_dumped_ones_is_unchanged(plain, tmp_path):
     assert run(tmp_path) == plain
+
+
+def test_the_collections_of_dumped_steps_see_the_heap_built_before_frozen(tmp_path):
+    """Dumped steps leave objects for the garbage collector, whose full collections would scan all
+    of torch, transformers and LeRobot (330 ms on PI0 small): while training, what was built before
+    is frozen (train.loop.frozen_heap); after, it is given back."""
+    frozen = []
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "start":
+            frozen.append(gc.get_freeze_count())
+
+    assert gc.get_freeze_count() == 0
+    gc.callbacks.append(watch)
+    try:
+        run(tmp_path / "run", Dumper(tmp_path / "dump", steps=[0, 1, 2]))
+    finally:
+        gc.callbacks.remove(watch)
+    assert max(frozen) > 100_000  # the libraries and the policy: out of the collections' sight
+    assert gc.get_freeze_count() == 0
