@@ -336,11 +336,6 @@ _SOURCES = {
     ("backward", "grad_output"): "a gradient flowing into the call that its readers' dumped gradients do not "
                                  "explain: a hook, gradient accumulation, or a backward operation that was not "
                                  "dumped",
-    ("backward", "unread grad_output"): "a gradient flowing into the call whose forward output no dumped call "
-                                        "read: what read it was not dumped (a loss or other code after the model; "
-                                        "at level module, the arithmetic between modules), so nothing bounds this "
-                                        "gradient; dump at level mix, compute the loss inside the model's forward, "
-                                        "or compare against a noise reference (--noise)",
     ("parameter", "parameter_grad"): "a parameter's gradient that no dumped backward call explains: gradient "
                                      "accumulation, all-reduce, a hook, or an operation that was not dumped",
     ("update", "input"): "what the step's update read differs from what its backward made (a gradient beyond the "
@@ -352,6 +347,11 @@ _SOURCES = {
                             "accumulation, all-reduce), or, after steps that were not dumped, the updates that "
                             "were not dumped (dump those steps to see them)",
 }
+# What such a gradient is where no dumped call read the output it flows back into (`_unread_output`)
+_UNREAD_GRADIENT = ("a gradient flowing into the call whose forward output no dumped call read: what read it was "
+                    "not dumped (a loss or other code after the model; at level module, the arithmetic between "
+                    "modules), so nothing bounds this gradient; dump at level mix, compute the loss inside the "
+                    "model's forward, or compare against a noise reference (--noise)")
 
 
 def first_failing(rows: Table) -> tuple[int, tuple[int, int, int, float]]:
@@ -371,10 +371,9 @@ def unexplained_source(rows: Table, calls: Table, identity: np.ndarray, stack_of
 
     row, _ = first_failing(rows)
     call = calls_of(rows, calls)[row]
-    role = str(rows["role"][row])
-    if role == "grad_output" and _unread_output(rows, identity, row):
-        role = "unread grad_output"
-    what = _SOURCES.get((str(rows["direction"][row]), role), "a record that no call's bound explains")
+    source = (str(rows["direction"][row]), str(rows["role"][row]))
+    what = _UNREAD_GRADIENT if source == ("backward", "grad_output") and _unread_output(rows, identity, row) else \
+        _SOURCES.get(source, "a record that no call's bound explains")
     note = (f"no call introduces error beyond noise, but {rows['name'][row]} (step {rows['step'][row]}, "
             f"{rows['role'][row]} {rows['arg_index'][row]}) differs: {what}")
     return (call_ref(calls, int(call), stack_of) if call >= 0 else None), note
