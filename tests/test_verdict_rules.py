@@ -579,8 +579,8 @@ def test_a_gradient_whose_output_no_dumped_call_read_is_named_as_such(workbench)
 
 
 def test_an_output_is_unread_only_where_no_forward_input_holds_its_tensor():
-    """Hand-built rows: a call's output (checksum 7) read by the next call, another's (checksum 9)
-    by none; their backward rows' incoming gradients."""
+    """Hand-built rows: a call's output (tensor 7) read by the next call, another's (tensor 9) by
+    none; their backward rows' incoming gradients."""
     rows = Table({"rank": np.zeros(6, int), "step": np.zeros(6, int),
                   "name": np.array(["a", "b", "b", "c", "a", "c"], object),
                   "direction": np.array(["forward", "forward", "forward", "forward", "backward", "backward"], object),
