@@ -242,6 +242,7 @@ def profile_dumped_step(args, work: Path, steps: int = 5) -> None:
 
     dumped()  # its first step makes what later ones reuse
     print_phases(policy, optimizer, step, dumper, steps)
+    print_per_call(work)
     own: dict[str, list[float]] = {}
     for label, run in (("plain", step), ("dumped", dumped)):
         profiler = cProfile.Profile()
@@ -256,6 +257,57 @@ def profile_dumped_step(args, work: Path, steps: int = 5) -> None:
     extra = sorted(((times[1] - times[0], part) for part, times in own.items()), reverse=True)
     for seconds, part in extra[:20]:
         print(f"{part:48s} {seconds:12.4f} {seconds / (dumped_total - plain_total):6.0%}")
+
+
+def print_per_call(work: Path, calls: int = 2000, rounds: int = 15) -> None:
+    """The capture's cost per call, where a step's ratio hides a few milliseconds in its noise: a
+    chain of `calls` multiplications of 16 elements, forward and backward, the fastest of `rounds`,
+    plain, under a bare TorchFunctionMode (what torch's dispatch to any mode costs) and dumped
+    (stats, level mix)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from pi0align import Dumper
+
+    class Chain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(16))
+
+        def forward(self, x):
+            for _ in range(calls):
+                x = x * self.weight
+            return x.sum()
+
+    class BareMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    chain, x, mode = Chain(), torch.randn(16), BareMode()
+    dumper = Dumper(work / "per-call", level="mix", mode="stats")
+
+    def dumped_stop():
+        dumper.step()
+        dumper.stop()
+        dumper.flush()
+
+    ways = {"plain": (lambda: None, lambda: None), "a bare TorchFunctionMode": (mode.__enter__, lambda: mode.__exit__(
+        None, None, None)), "dumped (stats, level mix)": (lambda: dumper.start(chain), dumped_stop)}
+    print(f"per call, a chain of {calls} multiplications (fastest of {rounds})")
+    print(f"{'':28s} {'forward µs':>11s} {'backward µs':>12s}")
+    for way, (begin, end) in ways.items():
+        forward, backward = [], []
+        for _ in range(rounds):
+            begin()
+            started = time.perf_counter()
+            loss = chain(x)
+            middle = time.perf_counter()
+            loss.backward()
+            forward.append(middle - started)
+            backward.append(time.perf_counter() - middle)
+            end()
+        print(f"{way:28s} {1e6 * min(forward) / calls:11.2f} {1e6 * min(backward) / calls:12.2f}")
+    dumper.close()
 
 
 def print_phases(policy, optimizer, step, dumper, steps: int) -> None:
@@ -339,7 +391,8 @@ def main() -> int:
     parser.add_argument("--skip-msprobe", action="store_true")
     parser.add_argument("--check", action="store_true", help="judge the goals; exit 1 when one is missed")
     parser.add_argument("--profile", action="store_true",
-                        help="only profile a dumped step (stats, level mix) against a plain one, by part")
+                        help="only profile a dumped step (stats, level mix) against a plain one, by phase, "
+                             "by part, and per call")
     parser.add_argument("--msprobe-variant", help=argparse.SUPPRESS)  # internal: one msprobe variant, JSON out
     args = parser.parse_args()
     if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
