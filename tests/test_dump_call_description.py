@@ -37,7 +37,9 @@ _SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(), st.integers(min_value=2**63, max_value=2**80),
     st.floats(allow_nan=True, allow_infinity=True), st.text(), st.just(_TENSOR),
     st.just(torch.nn.Parameter(torch.zeros(1))), st.just(Color.RED), st.just(torch.float32),
-    st.just(torch.Size([2, 3])), st.text(min_size=190, max_size=230).map(Opaque))
+    st.just(torch.Size([2, 3])), st.sampled_from([torch.device("cpu"), torch.strided, torch.channels_last,
+                                                  slice(1, None, 2), Ellipsis]),
+    st.text(min_size=190, max_size=230).map(Opaque))
 _VALUES = st.recursive(_SCALARS, lambda children: st.one_of(
     st.lists(children, max_size=4), st.lists(children, max_size=4).map(tuple),
     st.dictionaries(st.one_of(st.text(max_size=5), st.integers()), children, max_size=4),
@@ -82,6 +84,15 @@ def test_call_sites_are_the_references_each_stack_formatted_once(native):
     innermost = [json.loads(frames)[-1] for _, frames in new]
     assert innermost[0].startswith(__file__) and innermost[0].endswith(" _site")
     assert innermost[1].endswith(" <dictcomp>")
+
+
+def test_calls_from_one_line_share_its_call_site_after_the_first(native):
+    """The native backend finds a site seen before by its instruction: two calls on one line (two
+    instructions) are still the line's one site, as the reference keys it, however often seen."""
+    for site_of in (native.call_site, call_site):
+        stacks = Stacks()
+        ids = [(site_of(stacks, "block"), site_of(stacks, "block"), site_of(stacks, "other")) for _ in range(3)]
+        assert ids == [(0, 0, 1)] * 3 and len(stacks.take_new()) == 2
 
 
 def test_a_call_from_hidden_frames_only_has_no_call_site(native):

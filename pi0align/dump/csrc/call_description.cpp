@@ -5,10 +5,17 @@
 // Python twin gives (tests/test_dump_call_description.py), a few microseconds a call sooner.
 #include "call_description.h"
 
+#include <torch/csrc/Device.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Layout.h>
+#include <torch/csrc/MemoryFormat.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <charconv>
 #include <cmath>
+#include <memory>
 #include <string>
+#include <unordered_map>
 
 namespace pi0align {
 
@@ -87,6 +94,20 @@ bool json_repr(PyObject* value, std::string& out) {
   return true;
 }
 
+void append_integer(long long number, std::string& out) {
+  char digits[24];
+  out.append(digits, std::to_chars(digits, digits + sizeof digits, number).ptr);
+}
+
+// Whether `value` is of a type that is certainly no mapping, common in torch calls (a dtype, a
+// device, a slice, ...): its repr is described without asking collections.abc.Mapping, an
+// isinstance check that cost more than the rest of a call's description.
+bool is_plain_value(PyObject* value) {
+  const PyTypeObject* type = Py_TYPE(value);
+  return type == &THPDtypeType || type == &THPDeviceType || type == &THPLayoutType || type == &THPMemoryFormatType ||
+         type == &PySlice_Type || value == Py_Ellipsis;
+}
+
 // Append text that a Python call made (the repr of an int or a float) to `out`.
 bool append_text(PyObject* text, std::string& out) {
   if (text == nullptr) return false;
@@ -112,7 +133,9 @@ bool describe_items(PyObject* key, PyObject* item, bool first, std::string& out,
 // arguments.py's _describe, written to `out`; `tensors` counts the tensors met so far.
 bool describe(PyObject* value, std::string& out, long long& tensors) {
   if (THPVariable_Check(value)) {
-    out += "{\"tensor\":" + std::to_string(tensors++) + "}";
+    out += "{\"tensor\":";
+    append_integer(tensors++, out);
+    out += '}';
     return true;
   }
   if (value == Py_None) {
@@ -123,7 +146,16 @@ bool describe(PyObject* value, std::string& out, long long& tensors) {
     out += value == Py_True ? "true" : "false";
     return true;
   }
-  if (PyLong_Check(value)) return append_text(PyLong_Type.tp_repr(value), out);  // an IntEnum's value too
+  if (PyLong_Check(value)) {  // an IntEnum's value too
+    int overflow = 0;
+    long long number = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (overflow == 0 && !(number == -1 && PyErr_Occurred())) {
+      append_integer(number, out);
+      return true;
+    }
+    PyErr_Clear();
+    return append_text(PyLong_Type.tp_repr(value), out);
+  }
   if (PyUnicode_Check(value)) {
     json_string(value, out);
     return true;
@@ -154,6 +186,7 @@ bool describe(PyObject* value, std::string& out, long long& tensors) {
     out += '}';
     return true;
   }
+  if (is_plain_value(value)) return json_repr(value, out);
   int mapping = is_mapping(value);
   if (mapping < 0) return false;
   if (mapping == 0) return json_repr(value, out);
@@ -205,12 +238,103 @@ PyObject* describe_arguments(PyObject*, PyObject* const* args, Py_ssize_t nargs)
   return PyUnicode_FromStringAndSize(out.data(), static_cast<Py_ssize_t>(out.size()));
 }
 
+namespace {
+
+// A call site by its instruction: (module path, code object, instruction offset), each held.
+struct Site {
+  PyObject* module;
+  PyCodeObject* code;
+  int instruction;
+  bool operator==(const Site& other) const = default;
+};
+
+struct SiteHash {
+  size_t operator()(const Site& site) const {
+    return std::hash<const void*>()(site.module) ^ std::hash<const void*>()(site.code) * 31 ^ (size_t)site.instruction;
+  }
+};
+
+// A Stacks' call sites seen so far, by instruction, with their stack ids: the line number that
+// stacks.ids is keyed by is found by scanning the code's line table, and its key is a tuple to
+// build and hash, together most of call_site's cost for a site seen before.
+struct Sites {
+  std::unordered_map<Site, PyObject*, SiteHash> ids;  // -> stack id
+  ~Sites() {
+    for (auto& [site, id] : ids) {
+      Py_DECREF(site.module);
+      Py_DECREF(site.code);
+      Py_DECREF(id);
+    }
+  }
+};
+
+void free_sites(PyObject* capsule) { delete static_cast<Sites*>(PyCapsule_GetPointer(capsule, "pi0align.sites")); }
+
+PyObject* interned(PyObject*& slot, const char* text) {
+  if (slot == nullptr) slot = PyUnicode_InternFromString(text);
+  return slot;
+}
+
+// The Sites kept on `stacks` (as its `native_sites`), made on first use; null with an error set.
+Sites* sites_of(PyObject* stacks) {
+  static PyObject* name = nullptr;
+  if (interned(name, "native_sites") == nullptr) return nullptr;
+  PyObject* capsule = PyObject_GetAttr(stacks, name);
+  if (capsule == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return nullptr;
+    PyErr_Clear();
+    auto sites = std::make_unique<Sites>();
+    capsule = PyCapsule_New(sites.get(), "pi0align.sites", free_sites);
+    if (capsule == nullptr || PyObject_SetAttr(stacks, name, capsule) < 0) {
+      Py_XDECREF(capsule);
+      return nullptr;
+    }
+    sites.release();
+  }
+  Sites* sites = static_cast<Sites*>(PyCapsule_GetPointer(capsule, "pi0align.sites"));
+  Py_DECREF(capsule);  // the stacks object holds it
+  return sites;
+}
+
+// The stack id of a site not among `sites` yet: stacks.ids by (module, id(code), line), or
+// stacks.intern(frame, key) on first sight; a new reference, remembered in `sites`.
+PyObject* new_site(PyObject* stacks, Sites& sites, PyObject* module, PyFrameObject* frame, PyCodeObject* code) {
+  static PyObject *ids_name = nullptr, *intern_name = nullptr;
+  if (interned(ids_name, "ids") == nullptr || interned(intern_name, "intern") == nullptr) return nullptr;
+  PyObject* address = PyLong_FromVoidPtr(code);
+  PyObject* line = PyLong_FromLong(PyFrame_GetLineNumber(frame));
+  PyObject* key = address && line ? PyTuple_Pack(3, module, address, line) : nullptr;
+  PyObject* ids = key ? PyObject_GetAttr(stacks, ids_name) : nullptr;
+  PyObject* known = ids ? PyDict_GetItemWithError(ids, key) : nullptr;  // borrowed: (stack id, code)
+  PyObject* result = nullptr;
+  if (known != nullptr && PyTuple_Check(known) && PyTuple_GET_SIZE(known) == 2) {
+    result = Py_NewRef(PyTuple_GET_ITEM(known, 0));
+  } else if (ids != nullptr && !PyErr_Occurred()) {
+    PyObject* call[] = {stacks, reinterpret_cast<PyObject*>(frame), key};
+    result = PyObject_VectorcallMethod(intern_name, call, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+  }
+  Py_XDECREF(ids);
+  Py_XDECREF(key);
+  Py_XDECREF(line);
+  Py_XDECREF(address);
+  if (result != nullptr) {
+    Site site{Py_NewRef(module), reinterpret_cast<PyCodeObject*>(Py_NewRef(code)), PyFrame_GetLasti(frame)};
+    sites.ids.emplace(site, Py_NewRef(result));
+  }
+  return result;
+}
+
+}  // namespace
+
 // call_site(stacks, module) -> the id of the call site's stack: the innermost frame whose file
 // starts with none of stacks.hidden, looked up in stacks.ids by (module, id(code), line), or
-// stacks.intern(frame, key) on first sight; -1 when every frame is hidden
+// stacks.intern(frame, key) on first sight; -1 when every frame is hidden. A site seen before is
+// found by its instruction instead (Sites).
 PyObject* call_site(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!arity(nargs, 2, "call_site(stacks, module)")) return nullptr;
-  PyObject* hidden = PyObject_GetAttrString(args[0], "hidden");
+  static PyObject* hidden_name = nullptr;
+  Sites* sites = interned(hidden_name, "hidden") ? sites_of(args[0]) : nullptr;
+  PyObject* hidden = sites ? PyObject_GetAttr(args[0], hidden_name) : nullptr;
   if (hidden == nullptr) return nullptr;
   if (!PyTuple_Check(hidden)) {
     Py_DECREF(hidden);
@@ -227,21 +351,9 @@ PyObject* call_site(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (hide < 0) {
       failed = true;
     } else if (hide == 0) {
-      PyObject* address = PyLong_FromVoidPtr(code);
-      PyObject* line = PyLong_FromLong(PyFrame_GetLineNumber(frame));
-      PyObject* key = address && line ? PyTuple_Pack(3, args[1], address, line) : nullptr;
-      PyObject* ids = key ? PyObject_GetAttrString(args[0], "ids") : nullptr;
-      PyObject* known = ids ? PyDict_GetItemWithError(ids, key) : nullptr;  // borrowed: (stack id, code)
-      if (known != nullptr && PyTuple_Check(known) && PyTuple_GET_SIZE(known) == 2) {
-        result = Py_NewRef(PyTuple_GET_ITEM(known, 0));
-      } else if (ids != nullptr && !PyErr_Occurred()) {
-        result = PyObject_CallMethod(args[0], "intern", "OO", frame, key);
-      }
+      auto known = sites->ids.find(Site{args[1], code, PyFrame_GetLasti(frame)});
+      result = known != sites->ids.end() ? Py_NewRef(known->second) : new_site(args[0], *sites, args[1], frame, code);
       failed = result == nullptr;
-      Py_XDECREF(ids);
-      Py_XDECREF(key);
-      Py_XDECREF(line);
-      Py_XDECREF(address);
     }
     Py_DECREF(code);
     if (result == nullptr && !failed) {

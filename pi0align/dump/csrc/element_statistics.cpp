@@ -8,10 +8,10 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <mutex>
+#include <pthread.h>
 #include <thread>
-#include <unistd.h>
+#include <vector>
 
 namespace {
 
@@ -198,21 +198,46 @@ void execute(const Job& job) {
 constexpr int64_t WAKE_ELEMENTS = 1 << 20;
 constexpr size_t WAKE_JOBS = 64;
 
+// Queued jobs in order, in a ring that grows as needed: a job costs no allocation (a deque of
+// jobs this size allocated one block per job on the training thread and freed it on the worker's).
+struct Jobs {
+  std::vector<Job> ring = std::vector<Job>(256);
+  size_t head = 0, count = 0;
+
+  bool empty() const { return count == 0; }
+  size_t size() const { return count; }
+  void push_back(const Job& job) {
+    if (count == ring.size()) {  // full: unroll into one twice as large
+      std::vector<Job> larger(2 * ring.size());
+      for (size_t i = 0; i < count; ++i) larger[i] = ring[(head + i) % ring.size()];
+      ring.swap(larger);
+      head = 0;
+    }
+    ring[(head + count++) % ring.size()] = job;
+  }
+  Job pop_front() {
+    Job job = ring[head];
+    head = (head + 1) % ring.size();
+    --count;
+    return job;
+  }
+};
+
 // One worker thread that runs queued jobs in order while the caller goes on. It is created on
 // first use and never destroyed (detached, so interpreter exit never joins or destroys it); a
-// forked child, which has no such thread, makes its own. A caller that waits runs queued jobs
-// too, rather than sleep while they wait on one core.
+// forked child, which has no such thread, makes its own (queue()). A caller that waits runs
+// queued jobs too, rather than sleep while they wait on one core.
 struct Queue {
   std::mutex mutex;
   std::condition_variable work, idle;
-  std::deque<Job> jobs;
+  Jobs jobs;
   int64_t queued_elements = 0;
   bool sleeping = false;
   int running = 0;  // jobs being run: by the worker, and by callers that wait
   // jobs run so far, in queue order (keep()'s release reads it between waits; within a wait,
-  // where callers run jobs too, it may count one ahead of another still running)
-  std::atomic<int64_t> finished{0};
-  pid_t pid = getpid();
+  // where callers run jobs too, it may count one ahead of another still running); on a cache line
+  // of its own, which the training thread reads at every record while the worker writes the rest
+  alignas(64) std::atomic<int64_t> finished{0};
 
   Queue() { std::thread([this] { run(); }).detach(); }
 
@@ -231,8 +256,7 @@ struct Queue {
 
   // The front job, run with the lock released meanwhile (held on entry and on return).
   void run_front(std::unique_lock<std::mutex>& lock) {
-    Job job = jobs.front();
-    jobs.pop_front();
+    Job job = jobs.pop_front();
     queued_elements -= job.elements;
     ++running;
     lock.unlock();
@@ -262,13 +286,21 @@ struct Queue {
   }
 };
 
-Queue* the_queue = nullptr;
+// The process's queue, made on first use. A forked child forgets its parent's (whose worker is
+// not in the child, and whose lock may have been held at the fork) and makes its own: a fork
+// handler rather than a getpid() per job, a system call that cost more than queueing the job.
+std::atomic<Queue*> the_queue{nullptr};
 std::mutex creating;
 
 Queue& queue() {
+  Queue* existing = the_queue.load(std::memory_order_acquire);
+  if (existing != nullptr) return *existing;
   std::lock_guard<std::mutex> lock(creating);
-  if (the_queue == nullptr || the_queue->pid != getpid()) the_queue = new Queue();
-  return *the_queue;
+  static const int forgets_at_fork =
+      pthread_atfork(nullptr, nullptr, [] { the_queue.store(nullptr, std::memory_order_relaxed); });
+  (void)forgets_at_fork;
+  if (the_queue.load(std::memory_order_relaxed) == nullptr) the_queue.store(new Queue(), std::memory_order_release);
+  return *the_queue.load(std::memory_order_relaxed);
 }
 
 Job job_of(const void* data, int kind, int ndim, const int64_t* size, const int64_t* stride, const int64_t* step) {
@@ -320,11 +352,13 @@ extern "C" void pi0align_queue_call(void (*call)(void*), void* argument) {
 }
 
 extern "C" void pi0align_wait() {
-  if (the_queue != nullptr && the_queue->pid == getpid()) the_queue->wait();
+  Queue* existing = the_queue.load(std::memory_order_acquire);
+  if (existing != nullptr) existing->wait();
 }
 
 extern "C" void pi0align_finished(int64_t* out) {
-  *out = the_queue == nullptr ? 0 : the_queue->finished.load(std::memory_order_acquire);
+  Queue* existing = the_queue.load(std::memory_order_acquire);
+  *out = existing == nullptr ? 0 : existing->finished.load(std::memory_order_acquire);
 }
 
 extern "C" void pi0align_stats(const void* data, int kind, int ndim, const int64_t* size, const int64_t* stride,
