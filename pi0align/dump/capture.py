@@ -60,6 +60,8 @@ class Capture:
         self._grad_hooks: dict[str, object] = {}  # parameter name -> its gradient hook
         self._param_calls: dict[int, int] | None = None  # id(param) -> its call, once the step read them
         self._grad_rows: dict[int, int] = {}  # id(param) -> its latest gradient record's row
+        # DDP writes the reduced gradient back into .grad in place: asked once a step, not per gradient
+        self._grads_reduced_in_place = False
         self._input_edges, self._watch = backend.input_edges, backend.watch
         self._watch_tensor_grads = backend.watch_tensor_grads
         self._tensors_of = backend.tensors_of
@@ -210,6 +212,7 @@ class Capture:
         self.name_counts.clear()
         self._param_calls = None
         self._grad_rows = {}
+        self._grads_reduced_in_place = _several_ranks()
         self._module_paths.clear()
         self._open_modules.clear()
 
@@ -350,7 +353,7 @@ class Capture:
                     self._read_parameters()
                 # under DDP the reduced gradient is written back into .grad, in place, as backward
                 # ends: the record is this rank's own, taken now (the optimizer's records hold the reduced)
-                gradient = param.grad.detach().clone() if _several_ranks() else param.grad
+                gradient = param.grad.detach().clone() if self._grads_reduced_in_place else param.grad
                 self._grad_rows[id(param)] = self.log.add_tensor(self._param_calls[id(param)], record_name,
                                                                  "parameter_grad", 0, gradient)
 

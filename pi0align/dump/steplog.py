@@ -57,8 +57,11 @@ class StepLog:
     def call_count(self) -> int:
         return len(self.calls["seq"])
 
+    def __post_init__(self) -> None:
+        self._columns = tuple(self.calls.values())  # in CAPTURED_CALL_COLUMNS' order
+
     def open_call(self, name: str, module: str, api: str, direction: str, stack_id: int, args: str) -> int:
-        seqs, names, modules, apis, directions, stack_ids, arguments = self.calls.values()  # the columns' order
+        seqs, names, modules, apis, directions, stack_ids, arguments = self._columns
         call_id = len(seqs)
         seqs.append(call_id)
         names.append(name)
@@ -75,9 +78,9 @@ class StepLog:
 
     def open_backward(self, forward_id: int) -> int:
         """Open the backward row of a forward call (when its first gradient arrives)."""
-        calls = self.calls
-        return self.open_call(calls["name"][forward_id], calls["module"][forward_id], calls["api"][forward_id],
-                              "backward", calls["stack_id"][forward_id], calls["args"][forward_id])
+        _, names, modules, apis, _, stack_ids, arguments = self._columns
+        return self.open_call(names[forward_id], modules[forward_id], apis[forward_id], "backward",
+                              stack_ids[forward_id], arguments[forward_id])
 
     def add_tensors(self, call_id: int, name: str, role: str, tensors: list) -> None:
         self.records.record(call_id, name, role, 0, tensors)
