@@ -333,3 +333,22 @@ def test_a_dumped_step_leaves_autograd_to_move_each_gradient_into_grad(tmp_path,
             net(torch.randn(3, 4)).square().mean().backward()
             dumper.step()
             assert {name: p.grad.data_ptr() for name, p in net.named_parameters()} == arriving
+
+
+def test_the_native_calls_table_holds_the_rows_that_steplog_s_own_holds():
+    """The native backend opens a step's calls without a Python frame (csrc/calls_table.cpp):
+    the same rows as StepLog's own methods, the reference, and the same error for a call that is
+    not in the table."""
+    from pi0align.dump.steplog import StepLog
+    from pi0align.dump.torch_backend import TorchBackend
+
+    backends = (TorchBackend("chosen"), require_native())
+    logs = [StepLog(0, backend.records(True, None, None), None) for backend in backends]
+    for log in logs:
+        linear = log.open_call("block/Functional.linear#0", "block", "Functional.linear", "forward", 3, '{"args":[]}')
+        assert log.open_call("input/Data#0", "", "Data", "data", -1, "{}") == 1
+        assert log.open_backward(linear) == 2
+        with pytest.raises(IndexError):
+            log.open_backward(7)
+    assert logs[1].records.calls_table is not None and logs[0].calls == logs[1].calls
+    assert logs[1].calls["direction"] == ["forward", "data", "backward"]

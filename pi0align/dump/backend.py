@@ -28,6 +28,10 @@ Sink = Callable[[str, int, torch.Tensor], None]
 class StepRecords(Protocol):
     """One step's tensor records, their statistics, samples and stored copies."""
 
+    # (open_call, open_backward): StepLog's two methods as functions taking its calls table (the
+    # tuple of its column lists) first, which the step's StepLog uses instead of its own; or None.
+    calls_table: tuple | None
+
     def record(self, call_id: int, name: str, role: str, arg_index: int, tensors: list[torch.Tensor]) -> int:
         """Record tensors as arguments `arg_index`, `arg_index + 1`, … of a call; returns the last
         one's row. A tensor already recorded in the step, unchanged, borrows its statistics."""

@@ -1,9 +1,10 @@
 """The native dump backend: `csrc/capture_extension.cpp`, `csrc/api_calls.cpp`,
-`csrc/call_description.cpp` and `csrc/element_statistics.cpp`, built into one torch extension on
-first use (pi0align/native.py).
+`csrc/call_description.cpp`, `csrc/calls_table.cpp` and `csrc/element_statistics.cpp`, built into
+one torch extension on first use (pi0align/native.py).
 
 Its handler of a step's API calls (of the common call, which writes none of its arguments),
-autograd hooks, argument flattening, call sites, arguments' JSON and step records run in C++; CPU
+autograd hooks, argument flattening, call sites, arguments' JSON, the calls table's rows and step
+records run in C++; CPU
 tensors' statistics and samples are read in one pass by the kernel's own thread while training
 goes on, and tensor mode's copies for the writer are made there too (queued tensors are kept alive
 there, and waited for before an in-place call could change them). Tensors the kernel does not take
@@ -26,7 +27,8 @@ from pi0align.dump.steplog import dtype_name, object_column
 from pi0align.native import FLAGS, Extension
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("capture_extension.cpp", "api_calls.cpp", "call_description.cpp", "element_statistics.cpp")]
+            for name in ("capture_extension.cpp", "api_calls.cpp", "call_description.cpp", "calls_table.cpp",
+                         "element_statistics.cpp")]
 # dtype -> the kernel's element kind (element_statistics.h)
 KINDS = {torch.bool: 0, torch.uint8: 1, torch.int8: 2, torch.int16: 3, torch.bfloat16: 4, torch.float16: 5,
          torch.int32: 6, torch.float32: 7, torch.int64: 8, torch.float64: 9}
@@ -77,6 +79,7 @@ class NativeRecords:
         self._recorder = module.recorder(in_place_seen, self._others.add, tensor_sink,
                                          sampler.add if sampler is not None else None,
                                          sampler.native_cache if sampler is not None else None)
+        self.calls_table = (module.open_call, module.open_backward)
 
     def record(self, call_id: int, name: str, role: str, arg_index: int, tensors: list[torch.Tensor]) -> int:
         return self._module.record(self._recorder, call_id, name, role, arg_index, tensors)

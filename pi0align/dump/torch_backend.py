@@ -59,6 +59,7 @@ class TorchRecords:
         self._numel: list[int] = []  # per slot
         self._seen: dict[tuple, _Seen] = {}  # _elements_key -> what to reuse
         self.closed = False
+        self.calls_table = None  # StepLog's own
 
     def record(self, call_id: int, name: str, role: str, arg_index: int, tensors: list[torch.Tensor]) -> int:
         for index, tensor in enumerate(tensors, arg_index):

@@ -1,6 +1,6 @@
 // Entry points of capture_extension.cpp that api_calls.cpp calls directly, as Python would call
 // them (borrowed arguments, a new reference or null with a Python error set), and api_calls.cpp's
-// own, in the extension's method table.
+// and calls_table.cpp's own, in the extension's method table.
 #pragma once
 
 #include <Python.h>
@@ -18,4 +18,8 @@ PyObject* watch(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* new_backward_call(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 // api_handler(mode, capture, plans, filtered) -> the mode's __torch_function__
 PyObject* api_handler(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+// open_call(columns, name, module, api, direction, stack_id, args) -> call id (calls_table.cpp)
+PyObject* open_call(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+// open_backward(columns, forward_id) -> call id (calls_table.cpp)
+PyObject* open_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 }  // namespace pi0align
