@@ -4,6 +4,7 @@
 #include "element_statistics.h"
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -197,6 +198,13 @@ void execute(const Job& job) {
 // the caller tens of microseconds on a virtual machine, too much to pay per tensor.
 constexpr int64_t WAKE_ELEMENTS = 1 << 20;
 constexpr size_t WAKE_JOBS = 64;
+// Even so, a dumped step of PI0 small woke it ~70 times (each large tensor is past WAKE_ELEMENTS
+// and the worker had run dry since the last), ~28 µs each on the training thread. So while jobs
+// keep coming the worker does not sleep until woken but looks for more every POLL_EVERY (its own
+// timed wake-ups cost the training thread nothing; a job waits at most that long); POLL_FOR after
+// its last job (past a dumped step) it sleeps until woken again.
+constexpr auto POLL_EVERY = std::chrono::milliseconds(1);
+constexpr auto POLL_FOR = std::chrono::milliseconds(50);
 
 // Queued jobs in order, in a ring that grows as needed: a job costs no allocation (a deque of
 // jobs this size allocated one block per job on the training thread and freed it on the worker's).
@@ -238,6 +246,7 @@ struct Queue {
   // where callers run jobs too, it may count one ahead of another still running); on a cache line
   // of its own, which the training thread reads at every record while the worker writes the rest
   alignas(64) std::atomic<int64_t> finished{0};
+  std::chrono::steady_clock::time_point last_job;  // when the worker last took a job
 
   Queue() { std::thread([this] { run(); }).detach(); }
 
@@ -245,11 +254,16 @@ struct Queue {
     std::unique_lock<std::mutex> lock(mutex);
     while (true) {
       if (jobs.empty()) {
-        sleeping = true;
         idle.notify_all();
+        if (std::chrono::steady_clock::now() - last_job < POLL_FOR) {
+          work.wait_for(lock, POLL_EVERY);
+          continue;
+        }
+        sleeping = true;
         work.wait(lock, [this] { return !sleeping; });
         continue;
       }
+      last_job = std::chrono::steady_clock::now();
       run_front(lock);
     }
   }
