@@ -747,7 +747,7 @@ bool record(Recorder& r, int64_t call_id, PyObject* name, PyObject* role, int32_
     Py_XDECREF(skipped);
     return false;
   }
-  std::vector<int64_t> shape(tensor.sizes().begin(), tensor.sizes().end());
+  const c10::IntArrayRef shape = tensor.sizes();  // copied only where kept: no allocation per record
   int64_t slot = -1, sample_row = -1;
   PyObject* path = Py_NewRef(no_text);
   bool ok = true;
@@ -756,7 +756,8 @@ bool record(Recorder& r, int64_t call_id, PyObject* name, PyObject* role, int32_
     auto known = r.seen.find(key);
     if (known != r.seen.end() && !known->second.tensor.expired()) {
       slot = known->second.slot;
-      if (known->second.shape == shape || r.sink == Py_None) Py_SETREF(path, Py_NewRef(known->second.path));
+      if (r.sink == Py_None || c10::IntArrayRef(known->second.shape) == shape)
+        Py_SETREF(path, Py_NewRef(known->second.path));
       else Py_SETREF(path, PyObject_CallFunctionObjArgs(r.sink, object, stored_now, nullptr));
     } else {
       slot = r.new_slot(tensor.numel());
@@ -774,7 +775,7 @@ bool record(Recorder& r, int64_t call_id, PyObject* name, PyObject* role, int32_
           r.seen.erase(known);
         }
         r.seen.emplace(std::move(key), Seen{c10::weak_intrusive_ptr<c10::TensorImpl>(tensor.getIntrusivePtr()), slot,
-                                            shape, Py_NewRef(path)});
+                                            shape.vec(), Py_NewRef(path)});
       }
     }
     ok = ok && path != nullptr;
