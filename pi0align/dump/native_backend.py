@@ -4,11 +4,11 @@ one torch extension on first use (pi0align/native.py).
 
 Its handler of a step's API calls (of the common call, which writes none of its arguments),
 autograd hooks, argument flattening, call sites, arguments' JSON, the calls table's rows and step
-records run in C++; CPU
-tensors' statistics and samples are read in one pass by the kernel's own thread while training
-goes on, and tensor mode's copies for the writer are made there too (queued tensors are kept alive
-there, and waited for before an in-place call could change them). Tensors the kernel does not take
-(accelerator tensors, unusual dtypes) get the torch backend's batched statistics (stats.py).
+records run in C++; CPU tensors' statistics and samples are read in one pass by the kernel's own
+thread while training goes on, and tensor mode's copies for the writer are made there too (queued
+tensors are kept alive there, and waited for before an in-place call could change them). Tensors
+the kernel does not take (accelerator tensors, unusual dtypes) get the torch backend's batched
+statistics (stats.py).
 """
 
 from __future__ import annotations

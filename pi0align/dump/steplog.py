@@ -49,6 +49,13 @@ class StepLog:
     # garbage collector to track, and promote, per call
     calls: dict[str, list] = field(default_factory=lambda: {column: [] for column in CAPTURED_CALL_COLUMNS})
 
+    def __post_init__(self) -> None:
+        self._columns = tuple(self.calls.values())  # in CAPTURED_CALL_COLUMNS' order
+        if self.records.calls_table is not None:  # the backend's, for this table: no Python frame per call
+            open_call, open_backward = self.records.calls_table
+            self.open_call = functools.partial(open_call, self._columns)
+            self.open_backward = functools.partial(open_backward, self._columns)
+
     def close(self) -> None:
         """The step has ended: gradients arriving later (a graph kept past it) are not recorded."""
         self.records.close()
@@ -56,13 +63,6 @@ class StepLog:
     @property
     def call_count(self) -> int:
         return len(self.calls["seq"])
-
-    def __post_init__(self) -> None:
-        self._columns = tuple(self.calls.values())  # in CAPTURED_CALL_COLUMNS' order
-        if self.records.calls_table is not None:  # the backend's, for this table: no Python frame per call
-            open_call, open_backward = self.records.calls_table
-            self.open_call = functools.partial(open_call, self._columns)
-            self.open_backward = functools.partial(open_backward, self._columns)
 
     def open_call(self, name: str, module: str, api: str, direction: str, stack_id: int, args: str) -> int:
         seqs, names, modules, apis, directions, stack_ids, arguments = self._columns
