@@ -23,6 +23,8 @@ class Stacks:
         # rest; the code object is kept, so that its id is not reused meanwhile
         self.ids: dict[tuple, tuple[int, object]] = {}
         self.new: list[tuple[int, str]] = []  # (stack_id, JSON list of "file:line function")
+        # The native backend adds `native_sites` on first use: the sites of `ids` by instruction
+        # (csrc/call_description.cpp's Sites), which finds a site seen before without its line.
 
     def intern(self, frame, key: tuple) -> int:
         """The stack id of a call site seen for the first time: `frame`, under `key`."""

@@ -51,6 +51,8 @@ class _Seen:
 class TorchRecords:
     """A step's records as Python rows: CAPTURED_RECORD_COLUMNS, then the statistics slot and sample row."""
 
+    calls_table = None  # StepLog opens its calls itself
+
     def __init__(self, in_place_seen: bool, tensor_sink, sampler) -> None:
         self._stats = BatchedStatistics(in_place_seen)
         self._tensor_sink = tensor_sink
@@ -59,7 +61,6 @@ class TorchRecords:
         self._numel: list[int] = []  # per slot
         self._seen: dict[tuple, _Seen] = {}  # _elements_key -> what to reuse
         self.closed = False
-        self.calls_table = None  # StepLog's own
 
     def record(self, call_id: int, name: str, role: str, arg_index: int, tensors: list[torch.Tensor]) -> int:
         for index, tensor in enumerate(tensors, arg_index):

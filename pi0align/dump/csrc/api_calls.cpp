@@ -36,7 +36,7 @@ bool intern_names() {
       {&names.output, "output"}, {&names.empty, ""}, {&names.handler, "_native_handler"},
       {&names.planned, "_planned"}};
   for (const auto& [slot, text] : all)
-    if (*slot == nullptr && (*slot = PyUnicode_InternFromString(text)) == nullptr) return false;
+    if (pi0align::interned(*slot, text) == nullptr) return false;
   return true;
 }
 

@@ -25,6 +25,11 @@ bool arity(Py_ssize_t nargs, Py_ssize_t expected, const char* signature) {
   return false;
 }
 
+PyObject* interned(PyObject*& slot, const char* text) {
+  if (slot == nullptr) slot = PyUnicode_InternFromString(text);
+  return slot;
+}
+
 int is_mapping(PyObject* value) {
   static PyObject* mapping_type = nullptr;  // collections.abc.Mapping
   if (mapping_type == nullptr) {
@@ -269,11 +274,6 @@ struct Sites {
 };
 
 void free_sites(PyObject* capsule) { delete static_cast<Sites*>(PyCapsule_GetPointer(capsule, "pi0align.sites")); }
-
-PyObject* interned(PyObject*& slot, const char* text) {
-  if (slot == nullptr) slot = PyUnicode_InternFromString(text);
-  return slot;
-}
 
 // The Sites kept on `stacks` (as its `native_sites`), made on first use; null with an error set.
 Sites* sites_of(PyObject* stacks) {

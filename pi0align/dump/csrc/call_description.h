@@ -10,6 +10,9 @@ PyObject* call_site(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 
 // Whether a call got `expected` arguments; if not, a TypeError showing the signature is set.
 bool arity(Py_ssize_t nargs, Py_ssize_t expected, const char* signature);
+// `slot`, the interned str of `text` once made (made on the first call): null with an error set
+// where it cannot be.
+PyObject* interned(PyObject*& slot, const char* text);
 // isinstance(value, collections.abc.Mapping): 1, 0, or -1 with a Python error set.
 int is_mapping(PyObject* value);
 }  // namespace pi0align

@@ -47,9 +47,9 @@ PyObject* open_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // open_backward(columns, forward_id) -> the id of a new backward row of the forward call
 PyObject* open_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  static PyObject* backward = PyUnicode_InternFromString("backward");
+  static PyObject* backward = nullptr;
   PyObject* lists[kColumns];
-  if (backward == nullptr || !arity(nargs, 2, "open_backward(columns, forward_id)") || !column_lists(args[0], lists))
+  if (interned(backward, "backward") == nullptr || !arity(nargs, 2, "open_backward(columns, forward_id)") || !column_lists(args[0], lists))
     return nullptr;
   Py_ssize_t forward = PyLong_AsSsize_t(args[1]);
   if (forward == -1 && PyErr_Occurred()) return nullptr;
