@@ -16,7 +16,8 @@ Commands arrive on stdin as pickled lists; answers leave on stdout, pickled:
   ("close",)                              finish the step's tensor file and rename it to `path`
   ("append", pickled, [(offset, nbytes)], end)
                                           `dump_file.append(DUMP, **arguments)`, the arguments
-                                          pickled (protocol 5) with their out-of-band buffers in
+                                          pickled (protocol 5): the bytes, or their (offset,
+                                          nbytes) in the ring, with their out-of-band buffers in
                                           the ring at these places; `end` as for "write"; the
                                           argument `samples` (sample_rows.SampleRows, or None)
                                           becomes the tables' samples, in the records' order
@@ -91,9 +92,12 @@ class _Store:
                 self.discard()
             self.answer(("error", str(error).splitlines()[0] if str(error) else type(error).__name__))
 
-    def append(self, pickled: bytes, places: list[tuple[int, int]]) -> None:
+    def append(self, pickled: bytes | tuple[int, int], places: list[tuple[int, int]]) -> None:
         """Its arrays view the ring: they are gone when this returns, before their place is freed."""
         ring = memoryview(self.ring)
+        if isinstance(pickled, tuple):
+            offset, nbytes = pickled
+            pickled = ring[offset:offset + nbytes]
         arguments = pickle.loads(pickled, buffers=[ring[offset:offset + nbytes] for offset, nbytes in places])
         samples = arguments.pop("samples")
         if samples is not None:
