@@ -79,6 +79,10 @@ class Backend(Protocol):
     # to mode._planned(func, types, args, kwargs), which adds their plans; filtered: names are
     # asked of the capture's filter.
     api_handler: object | None
+    # Capture._enter_module and _leave_module without a Python frame per module call, or None: the
+    # capture's own run. (enter_module(capture, filtered, module_level, path, module, args, kwargs),
+    # leave_module(capture, path, output)); module_level: the level records module calls.
+    module_handlers: tuple | None
 
     def tensors_of(self, *values) -> list[torch.Tensor]:
         """Every tensor in `values`, depth-first through tuples, lists and mappings."""

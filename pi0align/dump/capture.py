@@ -67,6 +67,12 @@ class Capture:
         self._tensors_of = backend.tensors_of
         self._describe_arguments, self._call_site = backend.describe_arguments, backend.call_site
         self._api_handler = backend.api_handler
+        if backend.module_handlers is None:
+            self._enter, self._leave = self._enter_module, self._leave_module
+        else:
+            enter, leave = backend.module_handlers
+            self._enter = functools.partial(enter, self, not selected.selects_all, level != "api")
+            self._leave = functools.partial(leave, self)
 
     @property
     def installed(self) -> bool:
@@ -195,7 +201,7 @@ class Capture:
         self._wrapped.append((module, previous))
 
     def _forward_wrapper(self, path: str, module: torch.nn.Module, original):
-        enter, leave = self._enter_module, self._leave_module
+        enter, leave = self._enter, self._leave
 
         @functools.wraps(original)
         def forward(*args, **kwargs):
@@ -312,6 +318,7 @@ class Capture:
             self._running = False
 
     def _enter_module(self, path: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """A module's forward begins (the backend's `module_handlers` do the same without Python)."""
         self._module_paths.append(path)
         self._resume()
         opened = None

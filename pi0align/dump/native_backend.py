@@ -50,6 +50,7 @@ class NativeBackend:
         self.watch_tensor_grads = module.watch_tensor_grads
         self.describe_arguments, self.call_site = module.describe_arguments, module.call_site
         self.api_handler = module.api_handler
+        self.module_handlers = (module.enter_module, module.leave_module)
 
     @staticmethod
     @functools.cache

@@ -23,6 +23,7 @@ class TorchBackend:
     host_gather = None
     copier = None  # tensor mode's copies are made at once
     api_handler = None  # the capture mode's own __torch_function__ handles every call
+    module_handlers = None  # the capture's own _enter_module and _leave_module
 
     def __init__(self, status: str) -> None:
         self.status = status  # why this backend: "chosen", or why the native one is not built

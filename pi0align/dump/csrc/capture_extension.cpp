@@ -69,12 +69,7 @@ struct PyRef {
   }
 };
 
-// Inside a hook, the dumper's own tensor work is never captured (capture.py's _quiet).
-struct Quiet {
-  at::impl::TorchFunctionDisabledState previous = at::impl::PythonTorchFunctionTLS::get_disabled_state();
-  Quiet() { at::impl::PythonTorchFunctionTLS::set_disabled_state(at::impl::TorchFunctionDisabledState::ALL_DISABLED); }
-  ~Quiet() { at::impl::PythonTorchFunctionTLS::set_disabled_state(previous); }
-};
+using pi0align::Quiet;
 
 // A forward call's backward row and where its gradients are recorded (defined with the recorder).
 struct BackwardCall;
@@ -110,6 +105,10 @@ class SinkHook final : public torch::autograd::FunctionPostHook {
   std::vector<Slot> outs_, ins_;
 };
 
+}  // namespace
+
+namespace pi0align {
+
 // watch_tensor_grads(tensors, role, sink): records each tensor's full gradient as the sink's
 // (backward.watch_tensor_grads: module inputs)
 PyObject* watch_tensor_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -134,6 +133,9 @@ PyObject* watch_tensor_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs)
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
+}  // namespace pi0align
+
+namespace {
 
 // The inputs that share one gradient edge (x * x passes x twice), in argument order.
 struct Target { Node* node; uint32_t nr; std::vector<long> args; };
@@ -1073,7 +1075,8 @@ PyMethodDef methods[] = {
     {"wait", wait_queue, METH_NOARGS, "until every queued call has run"},
     {"held", held, METH_NOARGS, "how many queued tensors are kept alive"},
     {"forget", forget_queue, METH_NOARGS, "after fork, in the child"},
-    {"watch_tensor_grads", (PyCFunction)(void (*)(void))watch_tensor_grads, METH_FASTCALL, "hook tensors' gradients"},
+    {"watch_tensor_grads", (PyCFunction)(void (*)(void))pi0align::watch_tensor_grads, METH_FASTCALL,
+     "hook tensors' gradients"},
     {"input_edges", pi0align::input_edges, METH_O, "the gradient edges of the tensors that require grad"},
     {"watch", (PyCFunction)(void (*)(void))pi0align::watch, METH_FASTCALL, "hook the nodes of a call's outputs"},
     {"tensors_of", (PyCFunction)(void (*)(void))pi0align::tensors_of, METH_FASTCALL, "the tensors in the values"},
@@ -1085,6 +1088,9 @@ PyMethodDef methods[] = {
      "a forward call's backward row in the calls table"},
     {"api_handler", (PyCFunction)(void (*)(void))pi0align::api_handler, METH_FASTCALL,
      "a capture mode's __torch_function__"},
+    {"enter_module", (PyCFunction)(void (*)(void))pi0align::enter_module, METH_FASTCALL,
+     "a module's forward begins"},
+    {"leave_module", (PyCFunction)(void (*)(void))pi0align::leave_module, METH_FASTCALL, "a module's forward ends"},
     {nullptr, nullptr, 0, nullptr},
 };
 
