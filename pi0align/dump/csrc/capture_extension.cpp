@@ -766,6 +766,10 @@ bool record(Recorder& r, int64_t call_id, PyObject* name, PyObject* role, int32_
         Py_SETREF(path, Py_NewRef(known->second.path));
       else Py_SETREF(path, PyObject_CallFunctionObjArgs(r.sink, object, stored_now, nullptr));
     } else {
+      if (known != r.seen.end()) {  // its tensor is gone: these are new elements. Let go before the
+        Py_DECREF(known->second.path);  // Python calls below, which could add entries and so move it
+        r.seen.erase(known);
+      }
       slot = r.new_slot(tensor.numel());
       if (!kernel_stats(tensor, r.floats_of(slot), r.ints_of(slot), r.queued && !now)) {
         PyObject* at = PyLong_FromLongLong(slot);
@@ -776,10 +780,6 @@ bool record(Recorder& r, int64_t call_id, PyObject* name, PyObject* role, int32_
       }
       if (ok && r.sink != Py_None) Py_SETREF(path, PyObject_CallFunctionObjArgs(r.sink, object, stored_now, nullptr));
       if (ok && path != nullptr) {
-        if (known != r.seen.end()) {
-          Py_DECREF(known->second.path);
-          r.seen.erase(known);
-        }
         r.seen.emplace(std::move(key), Seen{c10::weak_intrusive_ptr<c10::TensorImpl>(tensor.getIntrusivePtr()), slot,
                                             c10::SmallVector<int64_t, 6>(shape.begin(), shape.end()), Py_NewRef(path)});
       }
