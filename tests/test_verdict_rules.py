@@ -149,6 +149,17 @@ def test_a_changed_batch_in_a_dump_without_checksums_or_data_records_is_the_data
     assert [c.kind for c in result.culprits] == ["data"]
 
 
+@pytest.mark.parametrize("times", [2, 5])
+def test_at_level_module_a_linears_input_gradient_off_is_that_linear_not_its_block(times, workbench):
+    """Level module, fp32 under ulp noise: a block's first Linear sends its input gradient back 2e-4
+    or 5e-4 off (2× and 5× the fp32 limit). That gradient is also the block's (a Sequential's), whose
+    backward row opens first, at its first gradient. Before: the Sequential was named, and the
+    Linear, after it in order, counted downstream of it (under noise not named at all)."""
+    result = _play(f"mlp fp32 stats, level module: ulp noise + a linear's input gradient {times}x the limit off",
+                   workbench)
+    assert result.culprits[0].name == "blocks.1.0/Module.Linear#0"
+
+
 @pytest.mark.parametrize("run, where", [
     (ToyRun(mode="stats", gradient_scaled=("blocks.1.0.weight", 1.0005, 0)), "blocks.1.0.weight/Optimizer.step#0"),
     (ToyRun(mode="stats", module_gradient_scaled=("blocks.1", 1.0005)), "blocks.0.2/Functional.gelu#0"),

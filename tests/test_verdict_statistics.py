@@ -440,6 +440,32 @@ def test_a_changed_batch_in_msprobe_statistics_dumps_is_the_data(level, tmp_path
     assert all(c.step == 1 for c in result.culprits)
 
 
+def test_a_module_linear_is_conditioned_by_its_weight_from_the_parameter_records():
+    """A `Module.Linear` (level module, msprobe's L0) records its input and output, not its weight:
+    the weight's Parameter record of the same step stands for it. Forward C = ‖x‖ ‖W‖ / (√K ‖y‖)
+    (K = 32 input features), its input gradient's C = ‖G‖ ‖W‖ / (√K ‖dX‖) (K = 96 output features).
+    Before: both unknown, the call's C (1) for its input gradient. Without the Parameter record:
+    unknown, as before."""
+    w = ("parameter", 0, 5.623, -1.0, 1.0, 0.0, "[96, 32]")
+    x, y = ("input", 0, 39.19, -3.0, 3.0, 0.0, "[4, 12, 32]"), ("output", 0, 4.0, -1.0, 1.0, 0.0, "[4, 12, 96]")
+    g, dx = ("grad_output", 0, 0.01153, -1e-3, 1e-3, 0.0, "[4, 12, 96]"), ("grad_input", 0, 0.002, -1e-3, 1e-3, 0.0,
+                                                                                "[4, 12, 32]")
+    for with_weight in (True, False):
+        calls, records, of = _records(("Parameter", [w]), ("Module.Linear", [x, y]), ("Module.Linear", [g, dx]))
+        calls["direction"] = np.array(["parameter", "forward", "backward"], object)
+        calls["name"] = np.array(["qkv.weight/Parameter#0" if with_weight else "other.weight/Parameter#0",
+                                  "qkv/Module.Linear#0", "qkv/Module.Linear#0"], object)
+        calls["module"] = np.array(["qkv" if with_weight else "other", "qkv", "qkv"], object)
+        records["direction"] = np.array(["parameter", "forward", "forward", "backward", "backward"], object)
+        condition, rule = conditions(calls, records, of)
+        per_result, _ = result_conditions(calls, records, of)
+        if with_weight:
+            assert condition[1] == pytest.approx(39.19 * 5.623 / (np.sqrt(32) * 4.0)) and rule[1] == "matmul"
+            assert per_result[4] == pytest.approx(0.01153 * 5.623 / (np.sqrt(96) * 0.002))  # 3.3
+        else:
+            assert condition[1] == 1.0 and rule[1] == "" and np.isnan(per_result[4])
+
+
 def test_each_result_of_a_linears_backward_is_conditioned_on_its_own():
     """The toy transformer's first qkv linear at step 0, as its statistics say (its operands'
     gradients made smaller, as where they cancel): dX = G W sums over the 96 output features,

@@ -356,6 +356,13 @@ def rule_cases() -> list[Case]:
                           "layers.1.mlp.0/Functional.linear#0", step=0))
     cases.append(Case("transformer fp32 stats: SDPA vs manual attention", ToyRun(model="transformer", mode="stats"),
                       sdpa(), "aligned"))
+    # level module: a linear's input gradient is also its block's (a Sequential's), whose backward
+    # row opens first, at its first gradient (modules.enclosing_modules)
+    for factor, times in ((1.0002, 2), (1.0005, 5)):
+        fault = Emulation(ulp_noise=1, fault=("blocks.1.0", "linear", 0, factor), fault_backward=True)
+        cases.append(Case(f"mlp fp32 stats, level module: ulp noise + a linear's input gradient {times}x the limit off",
+                          ToyRun(mode="stats", level="module"), ToyRun(mode="stats", level="module", device=fault),
+                          "diverged", "blocks.1.0/Module.Linear#0", direction="backward", step=0))
     for excluded, function, culprit in (("blocks.2.2", "gelu", "blocks.2/Module.Sequential#0"),
                                         ("blocks.1.1", "layer_norm", "blocks.1/Module.Sequential#0")):
         hidden = (f"{excluded}/*",)

@@ -28,9 +28,10 @@ import math
 
 import numpy as np
 
+from pi0align.compare.judging.modules import is_module_api
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.measuring.arguments import adam_step_for
-from pi0align.compare.reading.records import function_names
+from pi0align.compare.reading.records import function_names, subjects
 from pi0align.compare.table import KeyIndex, Table, lookup
 from pi0align.dump.file_format import OPTIMIZER_API
 
@@ -88,6 +89,12 @@ SUMMING_RULES = frozenset({"matmul", "reduction", "gradient sum", "softmax gradi
 UPDATE_ROUNDINGS = 2.0
 
 
+def matmul_names(api: np.ndarray) -> np.ndarray:
+    """Each API's function name in lower case, by which a module of the matmul family is one
+    (`Module.Linear` -> `linear`) wherever MATMULS is looked up."""
+    return np.char.lower(function_names(np.atleast_1d(np.asarray(api, object))).astype(str)).astype(object)
+
+
 def half_precision(unit: np.ndarray) -> np.ndarray:
     """Whether each unit roundoff is bfloat16's or float16's."""
     return np.isin(np.asarray(unit, np.float64), (UNIT_ROUNDOFF["bfloat16"], UNIT_ROUNDOFF["float16"]))
@@ -118,8 +125,7 @@ def rounding_floor(unit: np.ndarray, condition: np.ndarray, rule: np.ndarray, ap
     An optimizer's update is several operations: UPDATE_ROUNDINGS × F u."""
     unit = np.asarray(unit, np.float64)
     api = np.atleast_1d(np.asarray(api, object))
-    function = np.char.lower(function_names(api).astype(str))
-    accumulator = np.where(np.isin(function, list(MATMULS)), np.minimum(unit, UNIT_ROUNDOFF["float32"]), unit)
+    accumulator = np.where(np.isin(matmul_names(api), list(MATMULS)), np.minimum(unit, UNIT_ROUNDOFF["float32"]), unit)
     own = noise_floor(unit) * np.where(api == OPTIMIZER_API, UPDATE_ROUNDINGS, 1.0)
     return np.maximum(own, noise_floor(accumulator) * rounding_scale(condition, rule))
 
@@ -190,7 +196,7 @@ def conditions(calls: Table, records: Table, call_of_record: np.ndarray) -> tupl
         at = np.flatnonzero(forward & (function == name))
         if len(at):
             apply(_at(len(calls), at, of.reduction(at, scaling)), "reduction")
-    apply(_matmul_conditions(function, of), "matmul")
+    apply(_matmul_conditions(calls, of), "matmul")
     return condition, rule
 
 
@@ -341,11 +347,29 @@ def extremes_conditions(calls: Table, records: Table, call_of_record: np.ndarray
     (a softmax's weights times V) shrinks the result's largest magnitude against its operands';
     NaN for the other calls (their `conditions`). With the per-product C, noise in the extremes
     of the toy transformer's weights times V came out 2× its bound (C 3.2 → 1)."""
-    return _matmul_conditions(function_names(calls["api"]), _CallRecords(calls, records, call_of_record),
-                              per_product=False)
+    return _matmul_conditions(calls, _CallRecords(calls, records, call_of_record), per_product=False)
 
 
-def _matmul_conditions(function: np.ndarray, of: _CallRecords, per_product: bool = True) -> np.ndarray:
+def _module_weights(calls: Table, of: _CallRecords, at: np.ndarray) -> np.ndarray:
+    """The record of the weight `<module>.weight` of each call `at` that is a module's (its
+    Parameter record of the same rank and step, as the step's forward read it), -1 elsewhere: a
+    module call's records hold its inputs and outputs, not its parameters, and without its weight a
+    `Module.Linear`'s condition was unknown (its input gradient held to the gradient-sum C of the
+    call, 40-300 on the toy MLP, which hid its gradient 5e-4 off under fp32 noise)."""
+    weights = np.full(len(at), -1, np.int64)
+    module = np.flatnonzero(is_module_api(calls["api"][at])) if len(at) else at
+    parameters = np.flatnonzero(calls["direction"] == "parameter")
+    if not len(module) or not len(parameters):
+        return weights
+    names = np.array([f"{path}.weight" for path in calls["module"][at[module]].tolist()], object)
+    found = lookup([calls["rank"][at[module]], calls["step"][at[module]], names],
+                   [calls["rank"][parameters], calls["step"][parameters], subjects(calls["name"][parameters])])
+    owner = parameters[np.maximum(found, 0)]
+    weights[module] = np.where(found >= 0, of.record(owner, "parameter", 0), -1)
+    return weights
+
+
+def _matmul_conditions(calls: Table, of: _CallRecords, per_product: bool = True) -> np.ndarray:
     """C = ‖A‖ ‖B‖ / (√K √n ‖AB‖) for the matmul family (K the reduction length, n the products
     of a batch both operands hold, 1 unless `per_product`; NaN elsewhere): an operand's relative
     error ε becomes about ε ‖A‖ ‖B‖ / (√K ‖AB‖) in one product, 1 for operands of independent
@@ -354,12 +378,14 @@ def _matmul_conditions(function: np.ndarray, of: _CallRecords, per_product: bool
     nothing cancels (PI0 tiny's eager attention, batch 8 × 8 heads: C was 8, and its scores 5 %
     off were within it wherever their inputs already differed), taken alike across the batch; a
     weight shared by the batch (a linear's) is one operand of every product, and no batch."""
+    function = matmul_names(calls["api"])
     condition = np.full(len(function), np.nan)
     matmul = np.flatnonzero(np.isin(function, list(MATMULS)))
     if not len(matmul):
         return condition
     operands = np.array([MATMULS[f] for f in function[matmul].tolist()], np.int64).reshape(-1, 2)
     first, second = of.record(matmul, "input", operands[:, 0]), of.record(matmul, "input", operands[:, 1])
+    second = np.where(second < 0, _module_weights(calls, of, matmul), second)
     result = of.record(matmul, "output", 0)
     norms, shapes = of.norms, of.records["shape_a"]
     for call, i, j, k in zip(matmul.tolist(), first.tolist(), second.tolist(), result.tolist()):
@@ -390,7 +416,7 @@ def result_conditions(calls: Table, records: Table, call_of_record: np.ndarray) 
     extremes' C over the whole batch, n = 1, as `extremes_conditions`); the other results sum G
     over positions (a bias's): reduction_condition."""
     condition, extremes = np.full(len(records), np.nan), np.full(len(records), np.nan)
-    function = function_names(calls["api"])
+    function = matmul_names(calls["api"])
     backward = np.flatnonzero((calls["direction"] == "backward") & np.isin(function, list(MATMULS)))
     if not len(backward):
         return condition, extremes
@@ -405,6 +431,7 @@ def result_conditions(calls: Table, records: Table, call_of_record: np.ndarray) 
     towards_operand = (operands == arg[:, None]).any(axis=1)
     other_operand = np.where(operands[:, 0] == arg, operands[:, 1], operands[:, 0])
     other = of.record(forward_calls(calls, backward)[k], "input", other_operand)  # -1 where none
+    other = np.where((other < 0) & (other_operand == 1), _module_weights(calls, of, backward)[k], other)
     norms, numel, shapes = of.norms, of.numels, records["shape_a"]
     known = (g >= 0) & (norms[results] > 0) & (numel[results] > 0)
     bias, summed = known & ~towards_operand, results[known & ~towards_operand]

@@ -25,7 +25,11 @@ def is_module_api(apis: np.ndarray) -> np.ndarray:
 
 
 def enclosing_modules(calls: Table) -> np.ndarray:
-    """Per call, the innermost forward module invocation holding it (its row in `calls`; -1: none)."""
+    """Per call, the innermost forward module invocation holding it (its row in `calls`; -1: none);
+    per backward module call, the innermost backward module call holding it. A module's backward
+    row opens at its first gradient, before its children's, and its input gradient is the first
+    child's (a Sequential's and its first Linear's, at level module): without it the parent, first
+    in order, was named and its child counted downstream of it."""
     order = np.lexsort((calls["seq_a"], calls["direction"], calls["step"], calls["rank"]))
     module_api = is_module(calls)
     paths = calls["module"]
@@ -36,7 +40,7 @@ def enclosing_modules(calls: Table) -> np.ndarray:
         key = (int(calls["rank"][i]), int(calls["step"][i]), str(calls["direction"][i]))
         if key != group:
             open_calls, group = [], key
-        if key[2] != "forward":
+        if key[2] != "forward" and not module_api[i]:
             continue
         path = paths[i]
         while open_calls:
