@@ -354,8 +354,8 @@ def _module_weights(calls: Table, of: _CallRecords, at: np.ndarray) -> np.ndarra
     """The record of the weight `<module>.weight` of each call `at` that is a module's (its
     Parameter record of the same rank and step, as the step's forward read it), -1 elsewhere: a
     module call's records hold its inputs and outputs, not its parameters, and without its weight a
-    `Module.Linear`'s condition was unknown (its input gradient held to the gradient-sum C of the
-    call, 40-300 on the toy MLP, which hid its gradient 5e-4 off under fp32 noise)."""
+    `Module.Linear`'s condition was unknown: 1 forward, the call's for its input gradient (where
+    the input has fewer features than the output, the sum over positions' C of its smaller result)."""
     weights = np.full(len(at), -1, np.int64)
     module = np.flatnonzero(is_module_api(calls["api"][at])) if len(at) else at
     parameters = np.flatnonzero(calls["direction"] == "parameter")
