@@ -19,7 +19,7 @@
 
 namespace {
 
-// Interned names: attributes of the Capture, the StepLog and its records, and roles.
+// Interned names (intern_call_names): attributes of the Capture, the StepLog and its records, and roles.
 struct Names {
   PyObject *log, *after_backward, *module_paths, *param_calls, *read_parameters, *name_counts, *stacks,
       *running, *records, *recorder, *open_call, *open_backward, *selected, *out, *inplace, *forward, *input,
@@ -27,21 +27,6 @@ struct Names {
 };
 Names names;
 
-bool intern_names() {
-  const std::pair<PyObject**, const char*> all[] = {
-      {&names.log, "log"}, {&names.after_backward, "after_backward"}, {&names.module_paths, "_module_paths"},
-      {&names.param_calls, "_param_calls"}, {&names.read_parameters, "_read_parameters"},
-      {&names.name_counts, "name_counts"}, {&names.stacks, "stacks"}, {&names.running, "_running"},
-      {&names.records, "records"}, {&names.recorder, "_recorder"}, {&names.open_call, "open_call"},
-      {&names.open_backward, "open_backward"}, {&names.selected, "selected"}, {&names.out, "out"},
-      {&names.inplace, "inplace"}, {&names.forward, "forward"}, {&names.input, "input"},
-      {&names.output, "output"}, {&names.empty, ""}, {&names.handler, "_native_handler"},
-      {&names.planned, "_planned"}, {&names.open_modules, "_open_modules"}, {&names.resume, "_resume"},
-      {&names.record_data, "_record_data"}, {&names.grad_input, "grad_input"}};
-  for (const auto& [slot, text] : all)
-    if (pi0align::interned(*slot, text) == nullptr) return false;
-  return true;
-}
 
 // What a mode's handler holds, in a capsule on the mode (the handler's `self` must be the mode).
 // Nothing here refers back to the mode: a capsule is not traversed by the garbage collector, so
@@ -229,9 +214,7 @@ namespace pi0align {
 // gradients watched; (call id, name, sink), or None, pushed on the capture's open modules
 PyObject* enter_module(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (!arity(nargs, 7, "enter_module(capture, filtered, module_level, path, module, args, kwargs)") ||
-      !intern_names())
-    return nullptr;
+  if (!arity(nargs, 7, "enter_module(capture, filtered, module_level, path, module, args, kwargs)")) return nullptr;
   PyObject *capture = args[0], *path = args[3], *module = args[4], *call_args = args[5], *kwargs = args[6];
   const int filtered = PyObject_IsTrue(args[1]), module_level = PyObject_IsTrue(args[2]);
   if (filtered < 0 || module_level < 0) return nullptr;
@@ -276,7 +259,7 @@ PyObject* enter_module(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // recorded, its outputs recorded and their gradients watched
 PyObject* leave_module(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (!arity(nargs, 3, "leave_module(capture, path, output)") || !intern_names()) return nullptr;
+  if (!arity(nargs, 3, "leave_module(capture, path, output)")) return nullptr;
   PyObject *capture = args[0], *path = args[1], *output = args[2];
   Owned paths(PyObject_GetAttr(capture, names.module_paths));
   const Py_ssize_t depth = paths ? PyList_Size(paths.get()) : -1;
@@ -306,12 +289,28 @@ PyObject* leave_module(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// The handlers' attribute and role names, interned once, when the extension loads.
+bool intern_call_names() {
+  const std::pair<PyObject**, const char*> all[] = {
+      {&names.log, "log"}, {&names.after_backward, "after_backward"}, {&names.module_paths, "_module_paths"},
+      {&names.param_calls, "_param_calls"}, {&names.read_parameters, "_read_parameters"},
+      {&names.name_counts, "name_counts"}, {&names.stacks, "stacks"}, {&names.running, "_running"},
+      {&names.records, "records"}, {&names.recorder, "_recorder"}, {&names.open_call, "open_call"},
+      {&names.open_backward, "open_backward"}, {&names.selected, "selected"}, {&names.out, "out"},
+      {&names.inplace, "inplace"}, {&names.forward, "forward"}, {&names.input, "input"},
+      {&names.output, "output"}, {&names.empty, ""}, {&names.handler, "_native_handler"},
+      {&names.planned, "_planned"}, {&names.open_modules, "_open_modules"}, {&names.resume, "_resume"},
+      {&names.record_data, "_record_data"}, {&names.grad_input, "grad_input"}};
+  for (const auto& [slot, text] : all)
+    if (pi0align::interned(*slot, text) == nullptr) return false;
+  return true;
+}
+
 // api_handler(mode, capture, plans, filtered) -> mode's __torch_function__, to set on it; calls
 // without a plan, or planned False, go to mode._planned(func, types, args, kwargs)
 PyObject* api_handler(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!arity(nargs, 4, "api_handler(mode, capture, plans, filtered)")) return nullptr;
   if (!PyDict_Check(args[2])) return PyErr_Format(PyExc_TypeError, "api_handler: plans must be a dict");
-  if (!intern_names()) return nullptr;
   auto handler = std::make_unique<Handler>();
   handler->capture = Py_NewRef(args[1]);
   handler->plans = Py_NewRef(args[2]);

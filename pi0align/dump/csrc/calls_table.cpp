@@ -49,11 +49,13 @@ PyObject* open_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyObject* open_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   static PyObject* backward = nullptr;
   PyObject* lists[kColumns];
-  if (interned(backward, "backward") == nullptr || !arity(nargs, 2, "open_backward(columns, forward_id)") || !column_lists(args[0], lists))
+  if (interned(backward, "backward") == nullptr || !arity(nargs, 2, "open_backward(columns, forward_id)") ||
+      !column_lists(args[0], lists))
     return nullptr;
   Py_ssize_t forward = PyLong_AsSsize_t(args[1]);
   if (forward == -1 && PyErr_Occurred()) return nullptr;
-  if (forward < 0 || forward >= PyList_GET_SIZE(lists[0])) return PyErr_Format(PyExc_IndexError, "no call %zd", forward);
+  if (forward < 0 || forward >= PyList_GET_SIZE(lists[0]))
+    return PyErr_Format(PyExc_IndexError, "no call %zd", forward);
   PyObject* values[] = {PyList_GET_ITEM(lists[1], forward), PyList_GET_ITEM(lists[2], forward),
                         PyList_GET_ITEM(lists[3], forward), backward,
                         PyList_GET_ITEM(lists[5], forward), PyList_GET_ITEM(lists[6], forward)};

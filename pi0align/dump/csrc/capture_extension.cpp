@@ -10,7 +10,9 @@
 // - sample_cache / remember / set_host: sample mode's layouts seen before, by which record()
 //   gathers a record's sample without calling the Python sampler;
 // - describe_arguments / call_site: what a forward call's row says of it (call_description.cpp);
-// - api_handler: the capture's __torch_function__, which records a call with them (api_calls.cpp).
+// - api_handler: the capture's __torch_function__, which records a call with them, and
+//   enter_module / leave_module, around each module's forward (api_calls.cpp);
+// - open_call / open_backward: rows of a step's calls table (calls_table.cpp).
 #include <Python.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <c10/util/SmallVector.h>
@@ -1103,5 +1105,6 @@ PyMODINIT_FUNC PyInit_pi0align_capture() {
   no_text = PyUnicode_InternFromString("");
   role_grad_output = PyUnicode_InternFromString("grad_output");
   role_grad_input = PyUnicode_InternFromString("grad_input");
+  if (!pi0align::intern_call_names()) return nullptr;
   return PyModule_Create(&module);
 }

@@ -26,6 +26,8 @@ PyObject* watch(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* watch_tensor_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 // backward_call(recorder, name, opener, forward_id) -> a call's gradient sink
 PyObject* new_backward_call(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+// The names api_calls.cpp's handlers use, interned; false with a Python error set (at load)
+bool intern_call_names();
 // api_handler(mode, capture, plans, filtered) -> the mode's __torch_function__
 PyObject* api_handler(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 // enter_module(capture, filtered, module_level, path, module, args, kwargs) (api_calls.cpp)
