@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pi0align.compare.judging.bounds import MARGIN, introduced, reduction_condition, rounding_floor
-from pi0align.compare.judging.explain import _states_after_gap, _unread_output
+from pi0align.compare.judging.explain import _loss_gradients_within, _states_after_gap, unread_outputs
 from pi0align.compare.judging.identity import gradient_sources, tensor_identities
 from pi0align.compare.judging.judge import judge, median_without
 from pi0align.compare.judging.noise import rounding_level
@@ -214,8 +214,8 @@ def _calls(**columns) -> Table:
         "metric": np.full(n, "rel_l2_err", object), "local_error_a": np.full(n, np.nan),
         "local_error_b": np.full(n, np.nan), "unit_a": unit, "unit_b": unit, "replay": np.full(n, "", object),
         "args_differ": np.zeros(n, bool), "inputs_identical": np.zeros(n, bool), "outputs_differ": np.ones(n, bool),
-        "inside_error": np.zeros(n), "with_calls_inside": np.zeros(n, bool), "sourced": np.ones(n, bool),
-        "previous_step": np.full(n, -1, np.int64), "step_bound": np.full(n, np.nan),
+        "inside_error": np.zeros(n), "inside_bound": np.zeros(n), "with_calls_inside": np.zeros(n, bool),
+        "sourced": np.ones(n, bool), "previous_step": np.full(n, -1, np.int64), "step_bound": np.full(n, np.nan),
         "parameter_error": np.full(n, np.nan),
     }
     table = Table({**defaults, **{k: np.asarray(v) for k, v in columns.items()}})
@@ -578,15 +578,56 @@ def test_a_peermedian_without_a_names_calls_is_nanmedians(values, data):
     assert got == expected or (np.isnan(got) and np.isnan(expected))
 
 
-def test_a_gradient_whose_output_no_dumped_call_read_is_named_as_such(workbench):
-    """At level module the loss, computed after the model, is not dumped: the gradient entering the
-    head's backward has no dumped producer and nothing bounds it. Noise alone comes out diverged
-    without a culprit (the known gap on the scoreboard); the note says why and what to do, where it
-    said the gradient's dumped readers did not explain it, when there were none."""
-    result, _ = play(CASES["mlp bf16 stats, level module: ulp noise, no noise reference"], *workbench)
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
+def test_at_level_module_noise_through_what_was_not_dumped_is_aligned(model, workbench):
+    """At level module the loss's gradient (computed after the model) and the arithmetic between
+    child modules (residual sums, attention's scores and softmax) are not dumped. bf16 noise alone,
+    no noise reference: aligned, the loss's gradient within its output's error. Before: the MLP
+    diverged (that gradient unbounded), the transformer named a Layer (its residual sum held to its
+    rounding alone, where what it added was already 1-2 % apart in its extremes)."""
+    result = _play(f"{model} bf16 stats, level module: ulp noise, no noise reference", workbench)
+    assert result.explained.get("loss")
+
+
+@pytest.mark.parametrize("model,dtype,times", [("mlp", "bf16", 5), ("mlp", "fp32", 2), ("transformer", "bf16", 5),
+                                               ("transformer", "fp32", 2)])
+def test_a_loss_off_after_the_model_is_named_where_its_gradient_enters(model, dtype, times, workbench):
+    """The loss scaled (a loss scaler, a reduction gone wrong) under ulp noise, 2× (fp32) and 5×
+    (bf16: its statistics' floor is 2 ulps, 0.8 %) the limit: beyond what the output's error
+    explains, so diverged at the head's backward; the note says the gradient came from code that
+    was not dumped and what to do."""
+    result = _play(f"{model} {dtype} stats, level module: ulp noise + the loss {times}x the limit off", workbench)
     note = next(note for note in result.notes if note.startswith("no call introduces error beyond noise"))
     assert "head/Module.Linear#0" in note and "forward output no dumped call read" in note
     assert "level mix" in note and "--noise" in note
+
+
+@pytest.mark.parametrize("dtype,times", [("bf16", 5), ("fp32", 2)])
+def test_at_level_module_arithmetic_off_between_child_modules_is_their_parent(dtype, times, workbench):
+    """Attention's softmax, not dumped at level module, off under ulp noise: its module is the
+    culprit, held to the errors of its input and of its calls' outputs before the softmax."""
+    result = _play(f"transformer {dtype} stats, level module: ulp noise + attention's softmax {times}x the limit off",
+                   workbench)
+    assert result.culprits[0].name == "layers.1.attention/Module.Attention#0"
+
+
+def test_a_gradient_from_code_not_dumped_is_held_to_its_outputs_error():
+    """Hand-built rows: an output no dumped call read (tensor 9), 1 % off and passing; the gradient
+    sent back into it 1.5 %, 2.5 % off; a gradient into an output a call read (tensor 7)."""
+    rows = Table({"rank": np.zeros(5, int), "step": np.zeros(5, int),
+                  "name": np.array(["a", "b", "c", "c", "a"], object),
+                  "direction": np.array(["forward", "forward", "forward", "backward", "backward"], object),
+                  "role": np.array(["output", "input", "output", "grad_output", "grad_output"], object),
+                  "arg_index": np.zeros(5, int), "dtype_a": np.full(5, "torch.bfloat16", object),
+                  "dtype_b": np.full(5, "torch.bfloat16", object)})
+    identity = np.array([7, 7, 9, -1, -1])
+    fine = np.array([True, True, True, False, False])
+    for gradient_error, explained in ((0.015, True), (0.025, False)):
+        error = np.array([0.0, 0.0, 0.01, gradient_error, 0.001])
+        within = _loss_gradients_within(rows, identity, error, error, fine)
+        assert within.tolist() == [False, False, False, explained, False]
+    error = np.array([0.0, 0.0, 0.01, 0.015, 0.001])
+    assert not _loss_gradients_within(rows, identity, error, error, np.array([True, True, False, False, False]))[3]
 
 
 def test_an_output_is_unread_only_where_no_forward_input_holds_its_tensor():
@@ -598,6 +639,5 @@ def test_an_output_is_unread_only_where_no_forward_input_holds_its_tensor():
                   "role": np.array(["output", "input", "output", "output", "grad_output", "grad_output"], object),
                   "arg_index": np.zeros(6, int)})
     identity = np.array([7, 7, 8, 9, -1, -1])
-    assert not _unread_output(rows, identity, 4)
-    assert _unread_output(rows, identity, 5)
-    assert not _unread_output(rows, np.array([7, 7, 8, -1, -1, -1]), 5)  # its tensor not known: not said
+    assert unread_outputs(rows, identity).tolist() == [-1, -1, -1, -1, -1, 3]
+    assert (unread_outputs(rows, np.array([7, 7, 8, -1, -1, -1])) == -1).all()  # its tensor not known: not said

@@ -94,6 +94,7 @@ class ToyRun:
     # (module, factor): a backward hook of that module sends its input's gradient × factor back
     module_gradient_scaled: tuple[str, float] | None = None
     device_name: str | None = None  # the manifest's: an emulated device that says so, as a real one's run does
+    loss_scale: float = 1.0  # the loss × this before backward (a loss scaler or reduction gone wrong)
 
 
 def _toy_training(run: ToyRun):
@@ -125,7 +126,7 @@ def _toy_training(run: ToyRun):
 
 def _toy_step(run: ToyRun, step: int, model, batch, optimizer) -> torch.Tensor:
     """One training step of the toy run; returns its loss."""
-    loss = model(batch).float().square().mean()
+    loss = model(batch).float().square().mean() * run.loss_scale
     loss.backward()
     if run.gradient_scaled is not None and run.gradient_scaled[2] == step:
         with torch.no_grad():
@@ -410,12 +411,7 @@ def rule_cases() -> list[Case]:
     cases.append(Case("mlp bf16 stats: ulp noise + a linear's gradient 3% off", ToyRun(dtype="bf16", mode="stats"),
                       ToyRun(dtype="bf16", mode="stats", device=gradient_off), "diverged",
                       "blocks.1.0/Functional.linear#0", direction="backward"))
-    # a known gap, kept on the scoreboard: at level module the loss's gradient (computed outside the
-    # model) and the operations between child modules are not dumped, and this noise comes out diverged
-    cases.append(Case("mlp bf16 stats, level module: ulp noise, no noise reference",
-                      ToyRun(dtype="bf16", mode="stats", level="module"),
-                      ToyRun(dtype="bf16", mode="stats", level="module", device=Emulation(ulp_noise=1, ulp_seed=2)),
-                      "aligned"))
+    cases += level_module_cases()
     # a linear's gradient 2 % off whose bias gradient sums with C = 3.7: each result held to its own C
     mlp_gradient_off = Emulation(ulp_noise=1, fault=("layers.0.mlp", "linear", 0, 1.02), fault_backward=True)
     cases.append(Case("transformer bf16 stats: ulp noise + an MLP linear's gradient 2% off",
@@ -434,6 +430,29 @@ def rule_cases() -> list[Case]:
                       ToyRun(device=kernel), "diverged", kind="optimizer", direction="optimizer", step=0,
                       group="Optimizer.step"))
     return cases + gap_cases()
+
+
+def level_module_cases() -> list[Case]:
+    """At level module the loss's gradient (computed after the model) and the arithmetic between
+    child modules (a residual sum, attention's scores and softmax) are not dumped: noise alone, and
+    a difference a few times the dtype's limit in each (explain._loss_gradients_within,
+    rootcause._add_inside_errors)."""
+    module = lambda model, dtype, **b: ToyRun(model=model, dtype=dtype, mode="stats", level="module", **b)  # noqa: E731
+    cases = [Case(f"{model} bf16 stats, level module: ulp noise, no noise reference", module(model, "bf16"),
+                  module(model, "bf16", device=Emulation(ulp_noise=1, ulp_seed=2)), "aligned")
+             for model in ("mlp", "transformer")]
+    for model in ("mlp", "transformer"):
+        for dtype, scale, times in (("bf16", 1.02, 5), ("fp32", 1.0002, 2)):
+            cases.append(Case(f"{model} {dtype} stats, level module: ulp noise + the loss {times}x the limit off",
+                              module(model, dtype), module(model, dtype, loss_scale=scale,
+                                                           device=Emulation(ulp_noise=1, ulp_seed=2)),
+                              "diverged", "head/Module.Linear#0", direction="backward", step=0))
+    for dtype, factor, times in (("bf16", 1.02, 5), ("fp32", 1.0002, 2)):
+        softmax_off = Emulation(ulp_noise=1, ulp_seed=2, fault=("layers.1.attention", "softmax", 0, factor))
+        cases.append(Case(f"transformer {dtype} stats, level module: ulp noise + attention's softmax {times}x the "
+                          "limit off", module("transformer", dtype), module("transformer", dtype, device=softmax_off),
+                          "diverged", "layers.1.attention/Module.Attention#0", step=0))
+    return cases
 
 
 def gap_cases() -> list[Case]:

@@ -5,7 +5,8 @@ The last stage of the verdict: rows judged against their limits (verdict.py), th
 turned it `warn` out (`explained_by`). A failing row is explained only by what made it, within a
 bound: a result of a call within noise, the same tensor as an explained result, a sum or a
 clipping of explained gradients (also as msprobe's `update` calls read them), a tensor made
-inside a module by calls that were not dumped while the module stayed within its bound, or a
+inside a module by calls that were not dumped while the module stayed within its bound, a
+gradient sent back by code that was not dumped (the loss) within its output's error, or a
 gradient at rounding level. Only rows that ran before their rank's first culprit are explained
 (those after it may inherit its error), and no row of a module around a culprit. Everything else
 keeps failing: the run is `diverged`.
@@ -48,6 +49,8 @@ EXPLAINED_BY = {
     "gradient_sum": "a sum of gradients its readers sent back, within the sum's bound",
     "clipping": "an explained gradient scaled by the clipping factor, within its bound",
     "module": "made inside modules within their bounds by calls that were not dumped",
+    "loss": "a gradient sent back by code that was not dumped (a loss after the model) into an output no dumped "
+            "call read, within M × that output's error",
 }
 
 
@@ -100,6 +103,7 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
     settle(_states_within(rows, fine(), states_before), "producer")
     settle(_states_after_gap(rows, fine(), error, sources, rounding, states_before, noisy_start), "gap")
     settle(_made_inside(rows, call, judgement, producer), "module")
+    settle(_loss_gradients_within(rows, identity, error, sources, fine()), "loss")
     final = verdict.copy()
     final[(verdict == "fail") & (labels != "") & (labels != "limits")] = "warn"
     return Explanation(verdict=final, explained_by=labels)
@@ -311,6 +315,19 @@ def _states_after_gap(rows: Table, fine: np.ndarray, error: np.ndarray, sources:
     return explained
 
 
+def _loss_gradients_within(rows: Table, identity: np.ndarray, error: np.ndarray, sources: np.ndarray,
+                           fine: np.ndarray) -> np.ndarray:
+    """Incoming gradients (`grad_output`) of an output that no dumped call read (`unread_outputs`:
+    a loss, or at level module the arithmetic between modules, computed it from that output), within
+    MARGIN × the error that output may carry (`sources`), or the dtype's noise floor, the output
+    passing or explained. What was not dumped is held to C = 1, as a dumped API whose condition is
+    not known: a loss that amplifies its input's error (a target near the output) is not explained."""
+    output = unread_outputs(rows, identity)
+    carried = gather(np.where(np.isnan(sources), np.inf, sources), output, np.inf)
+    with np.errstate(invalid="ignore"):
+        return (output >= 0) & gather(fine, output, False) & (error <= MARGIN * np.maximum(carried, _floors(rows)))
+
+
 def _made_inside(rows: Table, call: np.ndarray, judgement: Judgement, producer: np.ndarray) -> np.ndarray:
     """Forward inputs no dumped call produced (calls filtered out or on one side only, ops
     `torch.ops`, extension kernels) read inside modules, where every module around them stayed
@@ -348,10 +365,11 @@ _SOURCES = {
                             "were not dumped (dump those steps to see them)",
 }
 # What such a gradient is where no dumped call read the output it flows back into (`_unread_output`)
-_UNREAD_GRADIENT = ("a gradient flowing into the call whose forward output no dumped call read: what read it was "
-                    "not dumped (a loss or other code after the model; at level module, the arithmetic between "
-                    "modules), so nothing bounds this gradient; dump at level mix, compute the loss inside the "
-                    "model's forward, or compare against a noise reference (--noise)")
+_UNREAD_GRADIENT = ("a gradient flowing into the call whose forward output no dumped call read, beyond twice that "
+                    "output's error: what read it was not dumped (a loss or other code after the model; at level "
+                    "module, the arithmetic between modules), and a loss may amplify its output's error; dump at "
+                    "level mix, compute the loss inside the model's forward, or compare against a noise reference "
+                    "(--noise)")
 
 
 def first_failing(rows: Table) -> tuple[int, tuple[int, int, int, float]]:
@@ -372,20 +390,28 @@ def unexplained_source(rows: Table, calls: Table, identity: np.ndarray, stack_of
     row, _ = first_failing(rows)
     call = calls_of(rows, calls)[row]
     source = (str(rows["direction"][row]), str(rows["role"][row]))
-    what = _UNREAD_GRADIENT if source == ("backward", "grad_output") and _unread_output(rows, identity, row) else \
+    what = _UNREAD_GRADIENT if unread_outputs(rows, identity)[row] >= 0 else \
         _SOURCES.get(source, "a record that no call's bound explains")
     note = (f"no call introduces error beyond noise, but {rows['name'][row]} (step {rows['step'][row]}, "
             f"{rows['role'][row]} {rows['arg_index'][row]}) differs: {what}")
     return (call_ref(calls, int(call), stack_of) if call >= 0 else None), note
 
 
-def _unread_output(rows: Table, identity: np.ndarray, row: int) -> bool:
-    """Whether the forward output that the backward `row`'s incoming gradient belongs to was read by
-    no dumped call (its tensor known, and no forward input of its step holding it)."""
-    forward = (rows["rank"] == rows["rank"][row]) & (rows["step"] == rows["step"][row]) & \
-        (rows["direction"] == "forward")
-    output = np.flatnonzero(forward & (rows["name"] == rows["name"][row]) & (rows["role"] == "output")
-                            & (rows["arg_index"] == rows["arg_index"][row]))
-    if not len(output) or identity[output[0]] < 0:
-        return False
-    return not (forward & (rows["role"] == "input") & (identity == identity[output[0]])).any()
+def unread_outputs(rows: Table, identity: np.ndarray) -> np.ndarray:
+    """Per backward incoming gradient (`grad_output`), the row of the forward output it belongs to
+    (same rank, step, call and index) where no dumped call read that output (its tensor known,
+    and no forward input of its step holding it); -1 elsewhere."""
+    found = np.full(len(rows), -1, np.int64)
+    gradients = np.flatnonzero((rows["direction"] == "backward") & (rows["role"] == "grad_output"))
+    forward = rows["direction"] == "forward"
+    outputs = np.flatnonzero(forward & (rows["role"] == "output") & (identity >= 0))
+    if not len(gradients) or not len(outputs):
+        return found
+    read = np.unique(identity[forward & (rows["role"] == "input") & (identity >= 0)])  # codes hold rank and step
+    outputs = outputs[~np.isin(identity[outputs], read)]
+    if not len(outputs):
+        return found
+    keys = ("rank", "step", "name", "arg_index")
+    at = lookup([rows[k][gradients] for k in keys], [rows[k][outputs] for k in keys])
+    found[gradients] = np.where(at >= 0, outputs[np.maximum(at, 0)], -1)
+    return found

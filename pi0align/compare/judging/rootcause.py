@@ -68,8 +68,8 @@ CALL_COLUMNS = ["rank", "step", "direction", "kind", "seq_a", "name", "module", 
                 "inputs_pass", "outputs_fail", "introduced_error", "condition", "condition_rule", "invariant_error",
                 "bound_condition", "unit", "floor", "metric",
                 "local_error_a", "local_error_b", "unit_a", "unit_b", "replay", "args_differ", "inputs_identical",
-                "outputs_differ", "inside_error", "with_calls_inside", "sourced", "previous_step", "step_bound",
-                "parameter_error"]
+                "outputs_differ", "inside_error", "inside_bound", "with_calls_inside", "sourced", "previous_step",
+                "step_bound", "parameter_error"]
 
 
 def row_error(rows: Table) -> tuple[np.ndarray, np.ndarray]:
@@ -133,7 +133,7 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     rounding: it stands for the updates before."""
     failing_rows = (verdict == "fail") & ~rounding
     error_rows, metric_rows = row_error(rows)
-    summed_all, extremes, spread = statistic_channels(rows)
+    summed_all, extremes_all, spread_all = statistic_channels(rows)
     floors = precision_floors(rows)
     # as sources of error in a bound (elementwise_errors); rounding noise enters no call
     sources = np.where(rounding, np.nan, at_least(error_rows, floors))
@@ -142,8 +142,9 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     use = np.flatnonzero(judged_records(verdict, rows))
     judged = rows.taken_when_read(use)  # about 20 of the rows' 50 columns are read
     error, metric, fail = error_rows[use], metric_rows[use], failing_rows[use]
-    summed, extremes, spread, summed_sources = (np.nan_to_num(np.where(rounding[use], np.nan, channel[use]))
-                                                for channel in (summed_all, extremes, spread, summed_sources))
+    summed, extremes, spread, summed_sources_used = (np.nan_to_num(np.where(rounding[use], np.nan, channel[use]))
+                                                     for channel in (summed_all, extremes_all, spread_all,
+                                                                     summed_sources))
     direction = call_directions(judged)
     is_in = isin(judged["role"], INPUT_ROLES)
     is_out = isin(judged["role"], (*OUTPUT_ROLES, "parameter", "parameter_grad"))
@@ -162,7 +163,7 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
         # floored, as `sources`), and the spread its inputs and outputs may carry in their elements
         "output_summed": groups.max(np.where(is_out, summed, 0.0)),
         "input_spread": groups.max(np.where(is_in, spread, 0.0)),
-        "input_summed": groups.max(np.where(is_in, summed_sources, 0.0)),
+        "input_summed": groups.max(np.where(is_in, summed_sources_used, 0.0)),
         "output_spread": groups.max(np.where(is_out, spread, 0.0)),
         "inputs_fail": groups.any(is_in & fail), "outputs_fail": groups.any(is_out & fail),
         "unit": groups.max(np.where(is_out, roundoff, 0.0)),
@@ -202,7 +203,9 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     parent = enclosing_modules(calls)
     model_inputs = _model_inputs(calls, rows, call_of_row, producer, parent, identity)
     # the batch entered no module from an undumped call: it is data, not the module's
-    _add_inside_errors(calls, rows, call_of_row, producer, parent, identity, error_rows, failing_rows & ~model_inputs)
+    channels = Table({"error": error_rows, "source": sources, "summed_source": summed_sources, "summed": summed_all,
+                      "extremes": extremes_all, "spread": spread_all}, length=len(rows))
+    _add_inside_errors(calls, rows, call_of_row, producer, parent, identity, channels, failing_rows & ~model_inputs)
     stand_ins = _batch_stand_ins(calls, rows, call_of_row, model_inputs, error_rows, failing_rows, metric_rows)
     results = Table.concat([results, _stand_in_results(stand_ins, len(calls))])
     calls = Table.concat([calls, stand_ins])
@@ -213,10 +216,8 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     calls["floor"] = rounding_floor(calls["unit"], calls["condition"], calls["condition_rule"], calls["api"])
     by_channel, calls["bound_condition"] = introduced_by_channel(calls, results)
     with np.errstate(divide="ignore", invalid="ignore"):
-        calls["introduced_error"] = np.fmax(np.where(
-            calls["with_calls_inside"],
-            introduced(calls["inside_error"], calls["input_error"], calls["condition"], calls["floor"]),
-            by_channel), calls["invariant_error"] / calls["floor"])
+        calls["introduced_error"] = np.fmax(np.where(calls["with_calls_inside"], calls["inside_introduced"],
+                                                     by_channel), calls["invariant_error"] / calls["floor"])
     return calls.select(CALL_COLUMNS).take(np.lexsort((calls["rank"], calls["seq_a"], calls["step"])))
 
 
@@ -244,17 +245,27 @@ def introduced_by_channel(calls: Table, results: Table) -> tuple[np.ndarray, np.
     unit, input_error = calls["unit"][c], calls["input_error"][c]
     floor = rounding_floor(unit, condition, calls["condition_rule"][c], calls["api"][c])
     spread = np.where(half_precision(unit), calls["input_spread"][c], 0.0)
-    summed = introduced(results["summed"], input_error, condition, floor)
-    extremes = introduced(results["extremes"], np.fmax(input_error, spread), extremes_condition, floor)
-    against_noise = _summed_against_noise(results["summed"], results["numel"], spread, calls["input_summed"][c],
-                                          condition, floor)
-    ratio = np.fmax(np.fmax(summed, extremes), against_noise)
+    ratio = channel_ratios(results["summed"], results["extremes"], results["numel"], input_error,
+                           calls["input_summed"][c], spread, condition, extremes_condition, floor)
     ratio = np.where(np.isnan(ratio), -np.inf, ratio)  # an infinite one stays infinite
     largest, bound_condition = np.zeros(len(calls)), calls["condition"].astype(np.float64)
     order = np.lexsort((ratio, c))
     last = order[np.r_[c[order][1:] != c[order][:-1], True]] if len(order) else order  # each call's largest
     largest[c[last]], bound_condition[c[last]] = np.maximum(ratio[last], 0.0), condition[last]
     return largest, bound_condition
+
+
+def channel_ratios(summed: np.ndarray, extremes: np.ndarray, numel: np.ndarray, input_error: np.ndarray,
+                   input_summed: np.ndarray, spread: np.ndarray, condition: np.ndarray,
+                   extremes_condition: np.ndarray, floor: np.ndarray) -> np.ndarray:
+    """Per result, its error over what its inputs explain, the largest over its channels
+    (statistic_channels): its summed error against the inputs' errors, its extremes against the
+    larger of those and the spread the inputs carry (`spread`: 0 outside half precision), and its
+    summed error against that spread summed away (`_summed_against_noise`)."""
+    summed_ratio = introduced(summed, input_error, condition, floor)
+    extremes_ratio = introduced(extremes, np.fmax(input_error, spread), extremes_condition, floor)
+    against_noise = _summed_against_noise(summed, numel, spread, input_summed, condition, floor)
+    return np.fmax(np.fmax(summed_ratio, extremes_ratio), against_noise)
 
 
 # A norm's or a mean's move under random elementwise noise is a normal draw of about the
@@ -519,20 +530,28 @@ def _add_saved_tensors(calls: Table) -> None:
 
 
 def _add_inside_errors(calls: Table, rows: Table, call_of_row: np.ndarray, producer: np.ndarray,
-                       parent: np.ndarray, identity: np.ndarray, error: np.ndarray, failing: np.ndarray) -> None:
-    """What entered a module from no dumped call: the error of the forward inputs of the calls
-    inside it that no dumped call, parameter or batch produced (an operation filtered out, one of
-    `torch.ops`, an extension kernel, calls on one side only), and of its output where no call
-    inside it produced that. A module holding calls is judged by that error alone (`inside_error`):
-    its calls are judged on their own. `call_of_row`: each row's call (-1: none); `producer`: the
-    row that produced each row's tensor (identity.produced); `parent`: modules.enclosing_modules."""
+                       parent: np.ndarray, identity: np.ndarray, channels: Table, failing: np.ndarray) -> None:
+    """What a module holding calls computed that no dumped call did: the forward inputs of the
+    calls inside it that no dumped call, parameter or batch produced (an operation filtered out,
+    one of `torch.ops`, an extension kernel, calls on one side only, at level module the arithmetic
+    between its children), and its output where no call inside it produced that. Each such result
+    is held, channel by channel (`channel_ratios`), to what it could have read: the module's inputs
+    and parameters and the outputs of its calls before it, through C = 1 (an API whose condition is
+    not known), or its rounding. `inside_error`: the largest such result's error; the module's
+    introduced error (`inside_introduced`, and the bound of its largest, `inside_bound`) the
+    largest over them. Its calls are judged on their own. `call_of_row`: each row's call (-1:
+    none); `producer`: the row that produced each row's tensor (identity.produced); `parent`:
+    modules.enclosing_modules; `channels`: per row, its error, its errors as a source (`source`,
+    `summed_source`: elementwise_errors) and statistic_channels (`summed`, `extremes`, `spread`)."""
     n = len(calls)
-    calls["inside_error"] = np.zeros(n)
+    for column in ("inside_error", "inside_introduced", "inside_bound"):
+        calls[column] = np.zeros(n)
     calls["with_calls_inside"] = holds_calls(calls, parent)
     if not (parent >= 0).any():
         return
     in_table = call_of_row >= 0
     forward = rows["direction"] == "forward"
+    seq = rows["seq_a"].astype(np.float64)
 
     def enclosing(call: int):
         module = parent[call]
@@ -540,19 +559,58 @@ def _add_inside_errors(calls: Table, rows: Table, call_of_row: np.ndarray, produ
             yield module
             module = parent[module]
 
-    for row in np.flatnonzero(forward & (rows["role"] == "input") & in_table & failing & (producer < 0)).tolist():
-        for module in enclosing(call_of_row[row]):
-            calls["inside_error"][module] = max(calls["inside_error"][module], error[row])
     outputs = np.flatnonzero(forward & (rows["role"] == "output") & in_table)
     made_inside: dict[int, set] = {}  # module call -> identities its calls' outputs hold
+    read_inside: dict[int, list[int]] = {}  # module call -> its calls' output rows
+    last_inside = np.full(n, np.nan)  # per module call, the sequence number of its last call
     for row in outputs.tolist():
         for module in enclosing(call_of_row[row]):
             made_inside.setdefault(module, set()).add(int(identity[row]))
-    for row in outputs[failing[outputs]].tolist():
-        module = call_of_row[row]
-        if calls["with_calls_inside"][module] and (identity[row] < 0 or int(identity[row]) not in
-                                                   made_inside.get(module, set())):
-            calls["inside_error"][module] = max(calls["inside_error"][module], error[row])
+            read_inside.setdefault(module, []).append(row)
+            last_inside[module] = np.fmax(last_inside[module], seq[row])
+    # when each output was made: a module's after its last call
+    module_end = gather(last_inside, call_of_row, np.nan)
+    made_at = np.where(np.isnan(module_end), seq, module_end + 0.5)
+    undumped = [(module, row) for row in
+                np.flatnonzero(forward & (rows["role"] == "input") & in_table & failing & (producer < 0)).tolist()
+                for module in enclosing(call_of_row[row])]
+    undumped += [(call_of_row[row], row) for row in outputs[failing[outputs]].tolist()
+                 if calls["with_calls_inside"][call_of_row[row]]
+                 and (identity[row] < 0 or int(identity[row]) not in made_inside.get(call_of_row[row], set()))]
+    if not undumped:
+        return
+    module, row = (np.array(column, np.int64) for column in zip(*undumped))
+    # what each could have read: the module's inputs, and its calls' outputs before it (its own
+    # module's output: all of them), by the running largest of each channel in their order
+    inputs = {"source": "input_error", "summed_source": "input_summed", "spread": "input_spread"}
+    kinds = tuple(inputs)
+    read = {kind: np.array(calls[column][module], np.float64) for kind, column in inputs.items()}
+    running: dict[int, tuple] = {}
+    for i, (m, r) in enumerate(zip(module.tolist(), row.tolist())):
+        if m not in running:
+            inner = np.array(read_inside.get(m, []), np.int64)
+            inner = inner[np.argsort(made_at[inner], kind="stable")]
+            running[m] = (made_at[inner], {kind: np.maximum.accumulate(np.nan_to_num(channels[kind][inner]))
+                                       for kind in kinds})
+        order, largest = running[m]
+        before = len(order) if rows["role"][r] == "output" else int(np.searchsorted(order, seq[r]))
+        if before:
+            for kind in kinds:
+                read[kind][i] = max(np.nan_to_num(read[kind][i]), largest[kind][before - 1])
+    source, summed_source, spread = (read[kind] for kind in kinds)
+    unit = calls["unit"][module].astype(np.float64)
+    one = np.ones(len(row))
+    floor = rounding_floor(unit, one, np.full(len(row), "", object), calls["api"][module])
+    ratio = channel_ratios(channels["summed"][row], channels["extremes"][row], numels(rows["shape_a"][row]),
+                           np.nan_to_num(source), np.nan_to_num(summed_source),
+                           np.where(half_precision(unit), np.nan_to_num(spread), 0.0), one, one, floor)
+    error = channels["error"][row]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bound = np.where(ratio > 0, error / ratio, floor)
+    for i, m in enumerate(module.tolist()):
+        calls["inside_error"][m] = max(calls["inside_error"][m], np.nan_to_num(error[i]))
+        if np.nan_to_num(ratio[i], nan=-np.inf) > calls["inside_introduced"][m]:
+            calls["inside_introduced"][m], calls["inside_bound"][m] = ratio[i], bound[i]
 
 
 def _model_inputs(calls: Table, rows: Table, call_of_row: np.ndarray, producer: np.ndarray, parent: np.ndarray,
@@ -594,7 +652,8 @@ def _batch_stand_ins(calls: Table, rows: Table, call_of_row: np.ndarray, model_i
     for column, value in (("input_error", 0.0), ("input_summed", 0.0), ("input_spread", 0.0),
                           ("output_spread", 0.0), ("inputs_fail", False), ("outputs_fail", True),
                           ("inputs_identical", True), ("outputs_differ", True), ("args_differ", False),
-                          ("inside_error", 0.0), ("with_calls_inside", False), ("condition", 1.0),
+                          ("inside_error", 0.0), ("inside_introduced", 0.0), ("inside_bound", 0.0),
+                          ("with_calls_inside", False), ("condition", 1.0),
                           ("condition_rule", ""), ("condition_extremes", np.nan), ("invariant_error", 0.0),
                           ("local_error_a", np.nan), ("local_error_b", np.nan), ("replay", "")):
         stand_ins[column] = np.full(n, value, dtype=object if isinstance(value, str) else None)
@@ -659,7 +718,8 @@ def broken_bound(calls: Table, i: int, judgement: Judgement) -> tuple[float, str
                        f"{floor / unit:.3g} u of {_DTYPE_OF_UNIT.get(unit, 'its dtype')}")
     unit, rule = float(calls["unit"][i]), str(calls["condition_rule"][i])
     if calls["with_calls_inside"][i]:
-        return float(calls["floor"][i]), "what entered the module from no dumped call, within its rounding"
+        return float(calls["inside_bound"][i]), ("what the module computed that was not dumped, within the errors "
+                                                 "of its inputs and of its calls' outputs before it, and its rounding")
     condition = float(calls["bound_condition"][i])  # of the result that broke it
     floor = float(rounding_floor(unit, condition, rule, calls["api"][i])[0])
     if condition != float(calls["condition"][i]):
