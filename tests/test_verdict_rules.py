@@ -14,12 +14,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pi0align.compare.judging.bounds import MARGIN, introduced, reduction_condition, rounding_floor
-from pi0align.compare.judging.explain import _loss_gradients_within, _states_after_gap, unread_outputs
+from pi0align.compare.judging.explain import _states_after_gap, _undumped_gradients_within, unread_outputs
 from pi0align.compare.judging.identity import gradient_sources, tensor_identities
 from pi0align.compare.judging.judge import judge, median_without
 from pi0align.compare.judging.noise import rounding_level
 from pi0align.compare.judging.reference import raised_limits
-from pi0align.compare.judging.rootcause import CALL_COLUMNS, introduced_by_channel, statistic_channels
+from pi0align.compare.judging.rootcause import (
+    CALL_COLUMNS,
+    elementwise_errors,
+    introduced_by_channel,
+    statistic_channels,
+)
 from pi0align.compare.judging.thresholds import DEFAULT_THRESHOLDS, UNIT_ROUNDOFF
 from pi0align.compare.judging.verdict import metric_errors, metric_limits
 from pi0align.compare.table import Table
@@ -586,7 +591,7 @@ def test_at_level_module_noise_through_what_was_not_dumped_is_aligned(model, wor
     diverged (that gradient unbounded), the transformer named a Layer (its residual sum held to its
     rounding alone, where what it added was already 1-2 % apart in its extremes)."""
     result = _play(f"{model} bf16 stats, level module: ulp noise, no noise reference", workbench)
-    assert result.explained.get("loss")
+    assert result.explained.get("sent_back")
 
 
 @pytest.mark.parametrize("model,dtype,times", [("mlp", "bf16", 5), ("mlp", "fp32", 2), ("transformer", "bf16", 5),
@@ -611,23 +616,43 @@ def test_at_level_module_arithmetic_off_between_child_modules_is_their_parent(dt
     assert result.culprits[0].name == "layers.1.attention/Module.Attention#0"
 
 
-def test_a_gradient_from_code_not_dumped_is_held_to_its_outputs_error():
-    """Hand-built rows: an output no dumped call read (tensor 9), 1 % off and passing; the gradient
-    sent back into it 1.5 %, 2.5 % off; a gradient into an output a call read (tensor 7)."""
-    rows = Table({"rank": np.zeros(5, int), "step": np.zeros(5, int),
-                  "name": np.array(["a", "b", "c", "c", "a"], object),
-                  "direction": np.array(["forward", "forward", "forward", "backward", "backward"], object),
-                  "role": np.array(["output", "input", "output", "grad_output", "grad_output"], object),
-                  "arg_index": np.zeros(5, int), "dtype_a": np.full(5, "torch.bfloat16", object),
-                  "dtype_b": np.full(5, "torch.bfloat16", object)})
-    identity = np.array([7, 7, 9, -1, -1])
-    fine = np.array([True, True, True, False, False])
-    for gradient_error, explained in ((0.015, True), (0.025, False)):
-        error = np.array([0.0, 0.0, 0.01, gradient_error, 0.001])
-        within = _loss_gradients_within(rows, identity, error, error, fine)
-        assert within.tolist() == [False, False, False, explained, False]
-    error = np.array([0.0, 0.0, 0.01, 0.015, 0.001])
-    assert not _loss_gradients_within(rows, identity, error, error, np.array([True, True, False, False, False]))[3]
+def _undumped_rows(gradient_norm_error: float, sent_back_norm_error: float) -> Table:
+    """Level module, float32 statistics: a module `m.a` (output: tensor 9, 1e-5 off in its norm)
+    whose output no dumped call read, and a module `m.b` that ran after it; in backward `m.b` sends
+    a gradient back (`sent_back_norm_error` off) into the code between them, which sends one back
+    into `m.a` (`gradient_norm_error` off); the parent `m`'s backward row opens first, its input's
+    gradient 1 off (made after `m.a`'s)."""
+    n = 6
+    stats = {"norm_rel_err": np.array([1e-5, 1e-5, 1e-5, 1.0, sent_back_norm_error, gradient_norm_error]),
+             **{k: np.zeros(n) for k in ("mean_val_rel_err", "min_rel_err", "max_val_rel_err")}}
+    return Table({"rank": np.zeros(n, int), "step": np.zeros(n, int),
+                  "name": np.array(["m/Module.M#0", "m.a/Module.A#0", "m.b/Module.B#0", "m/Module.M#0",
+                                    "m.b/Module.B#0", "m.a/Module.A#0"], object),
+                  "module": np.array(["m", "m.a", "m.b", "m", "m.b", "m.a"], object),
+                  "api": np.array(["Module.M", "Module.A", "Module.B", "Module.M", "Module.B", "Module.A"], object),
+                  "direction": np.array(["forward"] * 3 + ["backward"] * 3, object),
+                  "role": np.array(["output", "output", "output", "grad_input", "grad_input", "grad_output"], object),
+                  "seq_a": np.array([0, 1, 2, 3, 4, 5]), "arg_index": np.zeros(n, int),
+                  "shape_a": np.full(n, "[64]", object), "dtype_a": np.full(n, "torch.float32", object),
+                  "dtype_b": np.full(n, "torch.float32", object), "rel_l2_err": np.full(n, np.nan),
+                  "checksum_a": np.arange(n), "checksum_b": np.arange(n) + 100, "identical": np.zeros(n, bool),
+                  "evidence": np.full(n, "statistics", object), **stats})
+
+
+def test_a_gradient_from_code_not_dumped_is_held_to_what_that_code_could_read():
+    """Hand-built rows (_undumped_rows): the gradient into `m.a` is held to 2 × the larger of its
+    output's error and that of the gradient `m.b` sent back before it, not the parent's (made after
+    it), and only where both pass or are explained."""
+    identity = np.array([-1, 9, 8, -1, -1, -1])
+    fine = np.array([True, True, True, False, True, False])
+    for gradient, sent_back, explained in ((1.5e-5, 1e-6, True), (3e-5, 1e-6, False), (3e-5, 2e-5, True),
+                                           (5e-5, 2e-5, False)):
+        rows = _undumped_rows(gradient, sent_back)
+        errors = elementwise_errors(rows)
+        assert _undumped_gradients_within(rows, identity, errors, fine).tolist() == [False] * 5 + [explained]
+    rows = _undumped_rows(1.5e-5, 1e-6)
+    unexplained_output = np.array([True, False, True, False, True, False])
+    assert not _undumped_gradients_within(rows, identity, elementwise_errors(rows), unexplained_output)[5]
 
 
 def test_an_output_is_unread_only_where_no_forward_input_holds_its_tensor():

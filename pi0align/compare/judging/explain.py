@@ -6,7 +6,7 @@ turned it `warn` out (`explained_by`). A failing row is explained only by what m
 bound: a result of a call within noise, the same tensor as an explained result, a sum or a
 clipping of explained gradients (also as msprobe's `update` calls read them), a tensor made
 inside a module by calls that were not dumped while the module stayed within its bound, a
-gradient sent back by code that was not dumped (the loss) within its output's error, or a
+gradient sent back by code that was not dumped (the loss) within what that code could read, or a
 gradient at rounding level. Only rows that ran before their rank's first culprit are explained
 (those after it may inherit its error), and no row of a module around a culprit. Everything else
 keeps failing: the run is `diverged`.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pi0align.compare.judging.bounds import MARGIN, noise_floor
+from pi0align.compare.judging.bounds import MARGIN, half_precision, noise_floor, numels
 from pi0align.compare.judging.identity import (
     RESULT_ROLES,
     accumulated_gradient_sources,
@@ -27,8 +27,17 @@ from pi0align.compare.judging.identity import (
     requires_grad,
 )
 from pi0align.compare.judging.judge import Judgement, Position, downstream
-from pi0align.compare.judging.modules import containing
-from pi0align.compare.judging.rootcause import call_directions, elementwise_errors, phases, row_error
+from pi0align.compare.judging.modules import containing, is_module_api
+from pi0align.compare.judging.rootcause import (
+    at_least,
+    call_directions,
+    channel_ratios,
+    elementwise_errors,
+    phases,
+    precision_floors,
+    row_error,
+    statistic_channels,
+)
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, looser_classes
 from pi0align.compare.reading.records import subjects
 from pi0align.compare.result import CallRef
@@ -49,8 +58,8 @@ EXPLAINED_BY = {
     "gradient_sum": "a sum of gradients its readers sent back, within the sum's bound",
     "clipping": "an explained gradient scaled by the clipping factor, within its bound",
     "module": "made inside modules within their bounds by calls that were not dumped",
-    "loss": "a gradient sent back by code that was not dumped (a loss after the model) into an output no dumped "
-            "call read, within M × that output's error",
+    "sent_back": "a gradient sent back by code that was not dumped (a loss after the model; at level module the "
+                 "arithmetic between modules) within what that code could read",
 }
 
 
@@ -103,7 +112,7 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
     settle(_states_within(rows, fine(), states_before), "producer")
     settle(_states_after_gap(rows, fine(), error, sources, rounding, states_before, noisy_start), "gap")
     settle(_made_inside(rows, call, judgement, producer), "module")
-    settle(_loss_gradients_within(rows, identity, error, sources, fine()), "loss")
+    settle(_undumped_gradients_within(rows, identity, sources, fine()), "sent_back")
     final = verdict.copy()
     final[(verdict == "fail") & (labels != "") & (labels != "limits")] = "warn"
     return Explanation(verdict=final, explained_by=labels)
@@ -315,17 +324,53 @@ def _states_after_gap(rows: Table, fine: np.ndarray, error: np.ndarray, sources:
     return explained
 
 
-def _loss_gradients_within(rows: Table, identity: np.ndarray, error: np.ndarray, sources: np.ndarray,
-                           fine: np.ndarray) -> np.ndarray:
-    """Incoming gradients (`grad_output`) of an output that no dumped call read (`unread_outputs`:
-    a loss, or at level module the arithmetic between modules, computed it from that output), within
-    MARGIN × the error that output may carry (`sources`), or the dtype's noise floor, the output
-    passing or explained. What was not dumped is held to C = 1, as a dumped API whose condition is
-    not known: a loss that amplifies its input's error (a target near the output) is not explained."""
+def _undumped_gradients_within(rows: Table, identity: np.ndarray, sources: np.ndarray,
+                               fine: np.ndarray) -> np.ndarray:
+    """Incoming gradients (`grad_output`) of an output no dumped call read (`unread_outputs`): code
+    that was not dumped sent them back (a loss after the model; at level module the arithmetic
+    between modules). Each is held channel by channel (rootcause.channel_ratios), through C = 1 as
+    an API whose condition is not known, to what that code could read: the output, and the
+    gradients that the dumped backward calls in the same module (the innermost one holding the
+    call), but none around the call, sent back before it; within MARGIN, each of those passing or
+    explained (`fine`; `sources`: elementwise_errors). A loss that amplifies its output's error (a
+    target near the output) is not explained."""
     output = unread_outputs(rows, identity)
-    carried = gather(np.where(np.isnan(sources), np.inf, sources), output, np.inf)
-    with np.errstate(invalid="ignore"):
-        return (output >= 0) & gather(fine, output, False) & (error <= MARGIN * np.maximum(carried, _floors(rows)))
+    explained = np.zeros(len(rows), bool)
+    candidates = np.flatnonzero((output >= 0) & ~fine)
+    if not len(candidates):
+        return explained
+    summed, extremes, spread = statistic_channels(rows)
+    summed_sources = at_least(summed, precision_floors(rows))
+    half = half_precision(np.array([UNIT_ROUNDOFF[c] if c else 0.0
+                                    for c in looser_classes(rows["dtype_a"], rows["dtype_b"]).tolist()]))
+    module_row = is_module_api(rows["api"])
+    seq = rows["seq_a"].astype(np.float64)
+    floors = _floors(rows)
+    # the gradients dumped backward calls sent back, by rank, step and each module holding them
+    sent_back: dict[tuple, list[int]] = {}
+    for r in np.flatnonzero((rows["direction"] == "backward") & (rows["role"] == "grad_input")).tolist():
+        for scope in _enclosing_paths(str(rows["module"][r])):
+            sent_back.setdefault((rows["rank"][r], rows["step"][r], scope), []).append(r)
+    for g in candidates.tolist():
+        path = str(rows["module"][g])
+        scope = path.rpartition(".")[0] if module_row[g] else path  # the module holding the call
+        held = np.array(sent_back.get((rows["rank"][g], rows["step"][g], scope), []), np.int64)
+        around = _enclosing_paths(path) if module_row[g] else []
+        held = held[(seq[held] < seq[g]) & ~(module_row[held] & isin(rows["module"][held], around))]
+        read = np.r_[output[g], held]
+        if not fine[read].all():
+            continue
+        ratio = channel_ratios(summed[g:g + 1], extremes[g:g + 1], numels(rows["shape_a"][g:g + 1]),
+                               np.nanmax(sources[read], initial=0.0), np.nanmax(summed_sources[read], initial=0.0),
+                               np.nanmax(spread[read], initial=0.0) if half[g] else 0.0, 1.0, 1.0, floors[g:g + 1])
+        explained[g] = bool(ratio[0] <= MARGIN)
+    return explained
+
+
+def _enclosing_paths(path: str) -> list[str]:
+    """A module path and the paths above it, "" (the whole model) first."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:n]) for n in range(len(parts) + 1)]
 
 
 def _made_inside(rows: Table, call: np.ndarray, judgement: Judgement, producer: np.ndarray) -> np.ndarray:
@@ -365,9 +410,10 @@ _SOURCES = {
                             "were not dumped (dump those steps to see them)",
 }
 # What such a gradient is where no dumped call read the output it flows back into (`_unread_output`)
-_UNREAD_GRADIENT = ("a gradient flowing into the call whose forward output no dumped call read, beyond twice that "
-                    "output's error: what read it was not dumped (a loss or other code after the model; at level "
-                    "module, the arithmetic between modules), and a loss may amplify its output's error; dump at "
+_UNREAD_GRADIENT = ("a gradient flowing into the call whose forward output no dumped call read, beyond what the "
+                    "code that read it could read: that code was not dumped (a loss or other code after the model; "
+                    "at level module, the arithmetic between modules), and a loss may amplify its output's error; "
+                    "dump at "
                     "level mix, compute the loss inside the model's forward, or compare against a noise reference "
                     "(--noise)")
 
