@@ -639,6 +639,15 @@ def _undumped_rows(gradient_norm_error: float, sent_back_norm_error: float) -> T
                   "evidence": np.full(n, "statistics", object), **stats})
 
 
+def test_real_pi0_at_level_module_is_aligned_under_thread_noise_and_its_faults_named(workbench):
+    """Real PI0 tiny in bf16 at level module, 1 against 2 threads: aligned; with the action
+    expert's up_proj gradient 3 % off, that Linear; with the first layer's attention weights times
+    V 3 % off (a matmul between modules, not dumped), the module that ran it."""
+    assert not _play("PI0 tiny bf16 stats, level module: 1 vs 2 threads", workbench).culprits
+    _play("PI0 tiny bf16 stats, level module: 2 threads + the expert's up_proj gradient 3% off", workbench)
+    _play("PI0 tiny bf16 stats, level module: 2 threads + attention's weights times V 3% off", workbench)
+
+
 def test_a_gradient_from_code_not_dumped_is_held_to_what_that_code_could_read():
     """Hand-built rows (_undumped_rows): the gradient into `m.a` is held to 2 × the larger of its
     output's error and that of the gradient `m.b` sent back before it, not the parent's (made after

@@ -187,11 +187,12 @@ class Pi0Run:
     perturb_ulps: int = 0
     seed: int = 1234
     steps: int = 2  # trained and dumped
+    level: str = "mix"
 
 
 def dump_pi0(path: str | Path, run: Pi0Run) -> Path:
     """`run.steps` training steps of real LeRobot PI0 (the `pi0align run` recipe), all dumped at
-    level mix, at `run.threads` threads (the caller's thread count given back after)."""
+    `run.level`, at `run.threads` threads (the caller's thread count given back after)."""
     from pi0align.device import resolve
     from pi0align.train.config import TrainConfig
 
@@ -218,7 +219,7 @@ def _train_dumped(path: Path, run: Pi0Run, config, device) -> None:
     batches = iter(make_loader(components["dataset"], batch_size=config.batch_size, seed=config.seed, start_step=0,
                                steps=config.steps, num_workers=0, pin_memory=False))
     clip = policy.config.optimizer_grad_clip_norm
-    with run.device.on(policy), Dumper(path, steps=None, level="mix", mode=run.mode, perturb_ulps=run.perturb_ulps,
+    with run.device.on(policy), Dumper(path, steps=None, level=run.level, mode=run.mode, perturb_ulps=run.perturb_ulps,
                                        perturb_seed=run.seed + 7, manifest=components["manifest"]) as dumper:
         for step in range(config.steps):
             batch = components["preprocessor"](next(batches))
@@ -435,8 +436,8 @@ def rule_cases() -> list[Case]:
 def level_module_cases() -> list[Case]:
     """At level module the loss's gradient (computed after the model) and the arithmetic between
     child modules (a residual sum, attention's scores and softmax) are not dumped: noise alone, and
-    a difference a few times the dtype's limit in each (explain._loss_gradients_within,
-    rootcause._add_inside_errors)."""
+    a difference a few times the dtype's limit in each (explain._undumped_gradients_within,
+    rootcause._add_inside_errors), on the toy models and real PI0 tiny."""
     module = lambda model, dtype, **b: ToyRun(model=model, dtype=dtype, mode="stats", level="module", **b)  # noqa: E731
     cases = [Case(f"{model} bf16 stats, level module: ulp noise, no noise reference", module(model, "bf16"),
                   module(model, "bf16", device=Emulation(ulp_noise=1, ulp_seed=2)), "aligned")
@@ -452,6 +453,19 @@ def level_module_cases() -> list[Case]:
         cases.append(Case(f"transformer {dtype} stats, level module: ulp noise + attention's softmax {times}x the "
                           "limit off", module("transformer", dtype), module("transformer", dtype, device=softmax_off),
                           "diverged", "layers.1.attention/Module.Attention#0", step=0))
+    tiny = {"preset": "tiny", "dtype": "bf16", "mode": "stats", "level": "module"}
+    expert_mlp = "model.paligemma_with_expert.gemma_expert.model.layers.1.mlp"
+    up_proj_off = Emulation(fault=(expert_mlp, "linear", 1, 1.03), fault_backward=True)
+    # the first layer's attention weights times V, computed between modules (not dumped)
+    mixing_off = Emulation(fault=("model.paligemma_with_expert", "matmul", 1, 1.03))
+    cases += [Case("PI0 tiny bf16 stats, level module: 1 vs 2 threads", Pi0Run(threads=1, **tiny),
+                   Pi0Run(threads=2, **tiny), "aligned"),
+              Case("PI0 tiny bf16 stats, level module: 2 threads + the expert's up_proj gradient 3% off",
+                   Pi0Run(threads=1, **tiny), Pi0Run(threads=2, device=up_proj_off, **tiny), "diverged",
+                   f"{expert_mlp}.up_proj/Module.Linear#0", direction="backward", step=0),
+              Case("PI0 tiny bf16 stats, level module: 2 threads + attention's weights times V 3% off",
+                   Pi0Run(threads=1, **tiny), Pi0Run(threads=2, device=mixing_off, **tiny), "diverged",
+                   "model.paligemma_with_expert/Module.PaliGemmaWithExpertModel#0", step=0)]
     return cases
 
 
