@@ -112,7 +112,8 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
     settle(_states_within(rows, fine(), states_before), "producer")
     settle(_states_after_gap(rows, fine(), error, sources, rounding, states_before, noisy_start), "gap")
     settle(_made_inside(rows, call, judgement, producer), "module")
-    settle(_undumped_gradients_within(rows, identity, sources, fine()), "sent_back")
+    # rounding noise is no source: such a gradient may be apart by its whole size
+    settle(_undumped_gradients_within(rows, identity, np.where(rounding, np.nan, sources), fine()), "sent_back")
     final = verdict.copy()
     final[(verdict == "fail") & (labels != "") & (labels != "limits")] = "warn"
     return Explanation(verdict=final, explained_by=labels)
@@ -138,9 +139,14 @@ def _before_first(rows: Table, calls: Table, judgement: Judgement, earlier: Sequ
                        judgement.culprit, inclusive=True, earlier=earlier)
 
 
-def _floors(rows: Table) -> np.ndarray:
+def _units(rows: Table) -> np.ndarray:
+    """Each row's unit roundoff, of the looser of its two dtypes (0 where it has none)."""
     classes = looser_classes(rows["dtype_a"], rows["dtype_b"]).tolist()
-    return noise_floor(np.array([UNIT_ROUNDOFF[c] if c else 0.0 for c in classes]))
+    return np.array([UNIT_ROUNDOFF[c] if c else 0.0 for c in classes])
+
+
+def _floors(rows: Table) -> np.ndarray:
+    return noise_floor(_units(rows))
 
 
 def _gradient_sums_within(rows: Table, identity: np.ndarray, error: np.ndarray, sources: np.ndarray,
@@ -332,8 +338,8 @@ def _undumped_gradients_within(rows: Table, identity: np.ndarray, sources: np.nd
     an API whose condition is not known, to what that code could read: the output, and the
     gradients that the dumped backward calls in the same module (the innermost one holding the
     call), but none around the call, sent back before it; within MARGIN, each of those passing or
-    explained (`fine`; `sources`: elementwise_errors). A loss that amplifies its output's error (a
-    target near the output) is not explained."""
+    explained (`fine`; `sources`: elementwise_errors, NaN for what is no source). A loss that
+    amplifies its output's error (a target near the output) is not explained."""
     output = unread_outputs(rows, identity)
     explained = np.zeros(len(rows), bool)
     candidates = np.flatnonzero((output >= 0) & ~fine)
@@ -341,8 +347,7 @@ def _undumped_gradients_within(rows: Table, identity: np.ndarray, sources: np.nd
         return explained
     summed, extremes, spread = statistic_channels(rows)
     summed_sources = at_least(summed, precision_floors(rows))
-    half = half_precision(np.array([UNIT_ROUNDOFF[c] if c else 0.0
-                                    for c in looser_classes(rows["dtype_a"], rows["dtype_b"]).tolist()]))
+    half = half_precision(_units(rows))
     module_row = is_module_api(rows["api"])
     seq = rows["seq_a"].astype(np.float64)
     floors = _floors(rows)
