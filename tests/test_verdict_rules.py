@@ -587,9 +587,10 @@ def test_a_peermedian_without_a_names_calls_is_nanmedians(values, data):
 def test_at_level_module_noise_through_what_was_not_dumped_is_aligned(model, workbench):
     """At level module the loss's gradient (computed after the model) and the arithmetic between
     child modules (residual sums, attention's scores and softmax) are not dumped. bf16 noise alone,
-    no noise reference: aligned, the loss's gradient within its output's error. Before: the MLP
-    diverged (that gradient unbounded), the transformer named a Layer (its residual sum held to its
-    rounding alone, where what it added was already 1-2 % apart in its extremes)."""
+    no noise reference: aligned, the loss's gradient within what the code that sent it back could
+    read. Before: the MLP diverged (that gradient unbounded), the transformer named a Layer (its
+    residual sum held to its inputs' error alone, where what it added was already 1-2 % apart in its
+    extremes)."""
     result = _play(f"{model} bf16 stats, level module: ulp noise, no noise reference", workbench)
     assert result.explained.get("sent_back")
 
@@ -651,7 +652,8 @@ def test_real_pi0_at_level_module_is_aligned_under_thread_noise_and_its_faults_n
 def test_a_gradient_from_code_not_dumped_is_held_to_what_that_code_could_read():
     """Hand-built rows (_undumped_rows): the gradient into `m.a` is held to 2 × the larger of its
     output's error and that of the gradient `m.b` sent back before it, not the parent's (made after
-    it), and only where both pass or are explained."""
+    it), only where both pass or are explained, and never through a gradient at rounding level (no
+    source: NaN)."""
     identity = np.array([-1, 9, 8, -1, -1, -1])
     fine = np.array([True, True, True, False, True, False])
     for gradient, sent_back, explained in ((1.5e-5, 1e-6, True), (3e-5, 1e-6, False), (3e-5, 2e-5, True),
@@ -662,6 +664,10 @@ def test_a_gradient_from_code_not_dumped_is_held_to_what_that_code_could_read():
     rows = _undumped_rows(1.5e-5, 1e-6)
     unexplained_output = np.array([True, False, True, False, True, False])
     assert not _undumped_gradients_within(rows, identity, elementwise_errors(rows), unexplained_output)[5]
+    rows = _undumped_rows(3e-5, 2e-5)
+    rounding = np.array([False, False, False, False, True, False])
+    assert not _undumped_gradients_within(rows, identity, np.where(rounding, np.nan, elementwise_errors(rows)),
+                                          fine)[5]
 
 
 def test_an_output_is_unread_only_where_no_forward_input_holds_its_tensor():
