@@ -335,11 +335,11 @@ def _undumped_gradients_within(rows: Table, identity: np.ndarray, sources: np.nd
     """Incoming gradients (`grad_output`) of an output no dumped call read (`unread_outputs`): code
     that was not dumped sent them back (a loss after the model; at level module the arithmetic
     between modules). Each is held channel by channel (rootcause.channel_ratios), through C = 1 as
-    an API whose condition is not known, to what that code could read: the output, and the
-    gradients that the dumped backward calls in the same module (the innermost one holding the
-    call), but none around the call, sent back before it; within MARGIN, each of those passing or
-    explained (`fine`; `sources`: elementwise_errors, NaN for what is no source). A loss that
-    amplifies its output's error (a target near the output) is not explained."""
+    an API whose condition is not known, to what that code could read: the output, the gradient
+    that entered the module holding the call (the innermost), and the gradients that the dumped
+    backward calls in it, but none around the call, sent back before it; within MARGIN, each of
+    those passing or explained (`fine`; `sources`: elementwise_errors, NaN for what is no source).
+    A loss that amplifies its output's error (a target near the output) is not explained."""
     output = unread_outputs(rows, identity)
     explained = np.zeros(len(rows), bool)
     candidates = np.flatnonzero((output >= 0) & ~fine)
@@ -351,17 +351,22 @@ def _undumped_gradients_within(rows: Table, identity: np.ndarray, sources: np.nd
     module_row = is_module_api(rows["api"])
     seq = rows["seq_a"].astype(np.float64)
     floors = _floors(rows)
-    # the gradients dumped backward calls sent back, by rank, step and each module holding them
+    # the gradients dumped backward calls sent back, by rank, step and each module holding them;
+    # and the gradient that entered each module, by its path
+    backward = rows["direction"] == "backward"
     sent_back: dict[tuple, list[int]] = {}
-    for r in np.flatnonzero((rows["direction"] == "backward") & (rows["role"] == "grad_input")).tolist():
+    for r in np.flatnonzero(backward & (rows["role"] == "grad_input")).tolist():
         for scope in _enclosing_paths(str(rows["module"][r])):
             sent_back.setdefault((rows["rank"][r], rows["step"][r], scope), []).append(r)
+    for r in np.flatnonzero(backward & (rows["role"] == "grad_output") & module_row).tolist():
+        sent_back.setdefault((rows["rank"][r], rows["step"][r], str(rows["module"][r])), []).append(r)
     for g in candidates.tolist():
         path = str(rows["module"][g])
         scope = path.rpartition(".")[0] if module_row[g] else path  # the module holding the call
         held = np.array(sent_back.get((rows["rank"][g], rows["step"][g], scope), []), np.int64)
         around = _enclosing_paths(path) if module_row[g] else []
-        held = held[(seq[held] < seq[g]) & ~(module_row[held] & isin(rows["module"][held], around))]
+        held = held[(seq[held] < seq[g]) & ~(module_row[held] & (rows["role"][held] == "grad_input")
+                                             & isin(rows["module"][held], around))]
         read = np.r_[output[g], held]
         if not fine[read].all():
             continue
@@ -416,11 +421,10 @@ _SOURCES = {
 }
 # What such a gradient is where no dumped call read the output it flows back into (`_unread_output`)
 _UNREAD_GRADIENT = ("a gradient flowing into the call whose forward output no dumped call read, beyond what the "
-                    "code that read it could read: that code was not dumped (a loss or other code after the model; "
-                    "at level module, the arithmetic between modules), and a loss may amplify its output's error; "
-                    "dump at "
-                    "level mix, compute the loss inside the model's forward, or compare against a noise reference "
-                    "(--noise)")
+                    "code that read it could read: that code was not dumped (a loss or other code after the model, "
+                    "an operation filtered out, at level module the arithmetic between modules), and may amplify "
+                    "the error (a loss, a product); dump that code (level mix, no filter), compute the loss inside "
+                    "the model's forward, or compare against a noise reference (--noise)")
 
 
 def first_failing(rows: Table) -> tuple[int, tuple[int, int, int, float]]:
