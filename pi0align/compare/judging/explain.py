@@ -336,8 +336,10 @@ def _undumped_gradients_within(rows: Table, identity: np.ndarray, sources: np.nd
     that was not dumped sent them back (a loss after the model; at level module the arithmetic
     between modules). Each is held channel by channel (rootcause.channel_ratios), through C = 1 as
     an API whose condition is not known, to what that code could read: the output, the gradient
-    that entered the module holding the call (the innermost), and the gradients that the dumped
-    backward calls in it, but none around the call, sent back before it; within MARGIN, each of
+    that entered the module it ran in (the one holding the outermost module that returned the
+    output: a LayerNorm module returns its layer_norm's output; none where the whole model did),
+    and the gradients that the dumped backward calls in it, but none around the call, sent back
+    before it; within MARGIN, each of
     those passing or explained (`fine`; `sources`: elementwise_errors, NaN for what is no source).
     A loss that amplifies its output's error (a target near the output) is not explained."""
     output = unread_outputs(rows, identity)
@@ -360,13 +362,21 @@ def _undumped_gradients_within(rows: Table, identity: np.ndarray, sources: np.nd
             sent_back.setdefault((rows["rank"][r], rows["step"][r], scope), []).append(r)
     for r in np.flatnonzero(backward & (rows["role"] == "grad_output") & module_row).tolist():
         sent_back.setdefault((rows["rank"][r], rows["step"][r], str(rows["module"][r])), []).append(r)
+    returned: dict[int, set[str]] = {}  # a tensor -> the modules whose forward returned it
+    for r in np.flatnonzero((rows["direction"] == "forward") & (rows["role"] == "output") & module_row
+                            & (identity >= 0)).tolist():
+        returned.setdefault(int(identity[r]), set()).add(str(rows["module"][r]))
     for g in candidates.tolist():
-        path = str(rows["module"][g])
-        scope = path.rpartition(".")[0] if module_row[g] else path  # the module holding the call
+        path = str(rows["module"][g])  # a module's own path, or the module holding an API call
+        around = _enclosing_paths(path)
+        # what read the output runs in the module holding the outermost module that returned it
+        # (after the whole model where that is the model: the output alone)
+        outer = [p for p in around if p in returned.get(int(identity[output[g]]), ()) or (module_row[g] and p == path)]
+        scope = path if not outer else outer[0].rpartition(".")[0] if outer[0] else None
         held = np.array(sent_back.get((rows["rank"][g], rows["step"][g], scope), []), np.int64)
-        around = _enclosing_paths(path) if module_row[g] else []
         held = held[(seq[held] < seq[g]) & ~(module_row[held] & (rows["role"][held] == "grad_input")
-                                             & isin(rows["module"][held], around))]
+                                             & isin(rows["module"][held], around))
+                    & ((identity[held] != identity[g]) | (identity[g] < 0))]  # never the gradient itself
         read = np.r_[output[g], held]
         if not fine[read].all():
             continue
