@@ -653,7 +653,8 @@ def test_a_gradient_from_code_not_dumped_is_held_to_what_that_code_could_read():
     """Hand-built rows (_undumped_rows): the gradient into `m.a` is held to 2 × the larger of its
     output's error and that of the gradient `m.b` sent back before it, not the parent's (made after
     it), only where both pass or are explained, and never through a gradient at rounding level (no
-    source: NaN)."""
+    source: NaN). Where the parent returned `m.a`'s output as its own, what read it ran outside `m`,
+    and `m.b`'s gradient is no source."""
     identity = np.array([-1, 9, 8, -1, -1, -1])
     fine = np.array([True, True, True, False, True, False])
     for gradient, sent_back, explained in ((1.5e-5, 1e-6, True), (3e-5, 1e-6, False), (3e-5, 2e-5, True),
@@ -668,6 +669,8 @@ def test_a_gradient_from_code_not_dumped_is_held_to_what_that_code_could_read():
     rounding = np.array([False, False, False, False, True, False])
     assert not _undumped_gradients_within(rows, identity, np.where(rounding, np.nan, elementwise_errors(rows)),
                                           fine)[5]
+    returned_by_the_parent = np.array([9, 9, 8, -1, -1, -1])
+    assert not _undumped_gradients_within(rows, returned_by_the_parent, elementwise_errors(rows), fine)[5]
 
 
 def test_an_output_is_unread_only_where_no_forward_input_holds_its_tensor():

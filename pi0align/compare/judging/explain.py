@@ -338,8 +338,8 @@ def _undumped_gradients_within(rows: Table, identity: np.ndarray, sources: np.nd
     an API whose condition is not known, to what that code could read: the output, the gradient
     that entered the module it ran in (the one holding the outermost module that returned the
     output: a LayerNorm module returns its layer_norm's output; none where the whole model did),
-    and the gradients that the dumped backward calls in it, but none around the call, sent back
-    before it; within MARGIN, each of
+    and the gradients that the dumped backward calls right inside that module, none around the
+    call, sent back into it before; within MARGIN, each of
     those passing or explained (`fine`; `sources`: elementwise_errors, NaN for what is no source).
     A loss that amplifies its output's error (a target near the output) is not explained."""
     output = unread_outputs(rows, identity)
@@ -353,13 +353,16 @@ def _undumped_gradients_within(rows: Table, identity: np.ndarray, sources: np.nd
     module_row = is_module_api(rows["api"])
     seq = rows["seq_a"].astype(np.float64)
     floors = _floors(rows)
-    # the gradients dumped backward calls sent back, by rank, step and each module holding them;
-    # and the gradient that entered each module, by its path
+    # by rank, step and module: the gradients its dumped backward calls sent back into it (an API
+    # call's, or a module's right inside it), and the gradient that entered it
     backward = rows["direction"] == "backward"
     sent_back: dict[tuple, list[int]] = {}
     for r in np.flatnonzero(backward & (rows["role"] == "grad_input")).tolist():
-        for scope in _enclosing_paths(str(rows["module"][r])):
-            sent_back.setdefault((rows["rank"][r], rows["step"][r], scope), []).append(r)
+        path = str(rows["module"][r])
+        if module_row[r] and not path:
+            continue  # the whole model's: sent back out of it
+        into = path.rpartition(".")[0] if module_row[r] else path
+        sent_back.setdefault((rows["rank"][r], rows["step"][r], into), []).append(r)
     for r in np.flatnonzero(backward & (rows["role"] == "grad_output") & module_row).tolist():
         sent_back.setdefault((rows["rank"][r], rows["step"][r], str(rows["module"][r])), []).append(r)
     returned: dict[int, set[str]] = {}  # a tensor -> the modules whose forward returned it
