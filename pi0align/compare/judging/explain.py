@@ -333,15 +333,12 @@ def _states_after_gap(rows: Table, fine: np.ndarray, error: np.ndarray, sources:
 def _undumped_gradients_within(rows: Table, identity: np.ndarray, sources: np.ndarray,
                                fine: np.ndarray) -> np.ndarray:
     """Incoming gradients (`grad_output`) of an output no dumped call read (`unread_outputs`): code
-    that was not dumped sent them back (a loss after the model; at level module the arithmetic
-    between modules). Each is held channel by channel (rootcause.channel_ratios), through C = 1 as
-    an API whose condition is not known, to what that code could read: the output, the gradient
-    that entered the module it ran in (the one holding the outermost module that returned the
-    output: a LayerNorm module returns its layer_norm's output; none where the whole model did),
-    and the gradients that the dumped backward calls right inside that module, none around the
-    call, sent back into it before; within MARGIN, each of
-    those passing or explained (`fine`; `sources`: elementwise_errors, NaN for what is no source).
-    A loss that amplifies its output's error (a target near the output) is not explained."""
+    that was not dumped sent them back (a loss after the model, an operation filtered out, at level
+    module the arithmetic between modules). Each is held channel by channel
+    (rootcause.channel_ratios), through C = 1 as an API whose condition is not known, to what that
+    code could read (`_read_by_code_not_dumped`), within MARGIN, each of those passing or explained
+    (`fine`; `sources`: elementwise_errors, NaN for what is no source). A loss that amplifies its
+    output's error (a target near the output) is not explained."""
     output = unread_outputs(rows, identity)
     explained = np.zeros(len(rows), bool)
     candidates = np.flatnonzero((output >= 0) & ~fine)
@@ -349,38 +346,8 @@ def _undumped_gradients_within(rows: Table, identity: np.ndarray, sources: np.nd
         return explained
     summed, extremes, spread = statistic_channels(rows)
     summed_sources = at_least(summed, precision_floors(rows))
-    half = half_precision(_units(rows))
-    module_row = is_module_api(rows["api"])
-    seq = rows["seq_a"].astype(np.float64)
-    floors = _floors(rows)
-    # by rank, step and module: the gradients its dumped backward calls sent back into it (an API
-    # call's, or a module's right inside it), and the gradient that entered it
-    backward = rows["direction"] == "backward"
-    sent_back: dict[tuple, list[int]] = {}
-    for r in np.flatnonzero(backward & (rows["role"] == "grad_input")).tolist():
-        path = str(rows["module"][r])
-        if module_row[r] and not path:
-            continue  # the whole model's: sent back out of it
-        into = path.rpartition(".")[0] if module_row[r] else path
-        sent_back.setdefault((rows["rank"][r], rows["step"][r], into), []).append(r)
-    for r in np.flatnonzero(backward & (rows["role"] == "grad_output") & module_row).tolist():
-        sent_back.setdefault((rows["rank"][r], rows["step"][r], str(rows["module"][r])), []).append(r)
-    returned: dict[int, set[str]] = {}  # a tensor -> the modules whose forward returned it
-    for r in np.flatnonzero((rows["direction"] == "forward") & (rows["role"] == "output") & module_row
-                            & (identity >= 0)).tolist():
-        returned.setdefault(int(identity[r]), set()).add(str(rows["module"][r]))
-    for g in candidates.tolist():
-        path = str(rows["module"][g])  # a module's own path, or the module holding an API call
-        around = _enclosing_paths(path)
-        # what read the output runs in the module holding the outermost module that returned it
-        # (after the whole model where that is the model: the output alone)
-        outer = [p for p in around if p in returned.get(int(identity[output[g]]), ()) or (module_row[g] and p == path)]
-        scope = path if not outer else outer[0].rpartition(".")[0] if outer[0] else None
-        held = np.array(sent_back.get((rows["rank"][g], rows["step"][g], scope), []), np.int64)
-        held = held[(seq[held] < seq[g]) & ~(module_row[held] & (rows["role"][held] == "grad_input")
-                                             & isin(rows["module"][held], around))
-                    & ((identity[held] != identity[g]) | (identity[g] < 0))]  # never the gradient itself
-        read = np.r_[output[g], held]
+    half, floors = half_precision(_units(rows)), _floors(rows)
+    for g, read in zip(candidates.tolist(), _read_by_code_not_dumped(rows, identity, output, candidates)):
         if not fine[read].all():
             continue
         ratio = channel_ratios(summed[g:g + 1], extremes[g:g + 1], numels(rows["shape_a"][g:g + 1]),
@@ -388,6 +355,45 @@ def _undumped_gradients_within(rows: Table, identity: np.ndarray, sources: np.nd
                                np.nanmax(spread[read], initial=0.0) if half[g] else 0.0, 1.0, 1.0, floors[g:g + 1])
         explained[g] = bool(ratio[0] <= MARGIN)
     return explained
+
+
+def _read_by_code_not_dumped(rows: Table, identity: np.ndarray, output: np.ndarray,
+                             gradients: np.ndarray) -> list[np.ndarray]:
+    """For each incoming gradient of `gradients`, sent back by code that was not dumped into an
+    output (its row: `output`), the rows that code could have read: the output; the gradient that
+    entered the module it ran in, the one holding the outermost module that returned the output (a
+    LayerNorm module returns its layer_norm's output; no module where the whole model returned it);
+    and the gradients that the dumped backward calls right inside that module sent back into it
+    before, none of a module around the call (made after it), never the gradient itself."""
+    module_row = is_module_api(rows["api"])
+    seq = rows["seq_a"].astype(np.float64)
+    backward = rows["direction"] == "backward"
+    # by rank, step and module: the gradients sent back into it (by an API call in it, or a module
+    # right inside it), and the gradient that entered it
+    into: dict[tuple, list[int]] = {}
+    for r in np.flatnonzero(backward & (rows["role"] == "grad_input")).tolist():
+        path = str(rows["module"][r])
+        if module_row[r] and not path:
+            continue  # the whole model's: sent back out of it
+        into.setdefault((rows["rank"][r], rows["step"][r], path.rpartition(".")[0] if module_row[r] else path),
+                        []).append(r)
+    for r in np.flatnonzero(backward & (rows["role"] == "grad_output") & module_row).tolist():
+        into.setdefault((rows["rank"][r], rows["step"][r], str(rows["module"][r])), []).append(r)
+    returned: dict[int, set[str]] = {}  # a tensor -> the modules whose forward returned it
+    for r in np.flatnonzero((rows["direction"] == "forward") & (rows["role"] == "output") & module_row
+                            & (identity >= 0)).tolist():
+        returned.setdefault(int(identity[r]), set()).add(str(rows["module"][r]))
+    read = []
+    for g in gradients.tolist():
+        path = str(rows["module"][g])  # a module's own path, or the module holding an API call
+        around = _enclosing_paths(path)
+        outer = [p for p in around if p in returned.get(int(identity[output[g]]), ()) or (module_row[g] and p == path)]
+        scope = path if not outer else outer[0].rpartition(".")[0] if outer[0] else None
+        held = np.array(into.get((rows["rank"][g], rows["step"][g], scope), []), np.int64)
+        made_after = module_row[held] & (rows["role"][held] == "grad_input") & isin(rows["module"][held], around)
+        itself = (identity[held] == identity[g]) & (identity[g] >= 0)
+        read.append(np.r_[output[g], held[(seq[held] < seq[g]) & ~made_after & ~itself]])
+    return read
 
 
 def _enclosing_paths(path: str) -> list[str]:
