@@ -375,8 +375,8 @@ def _read_by_code_not_dumped(rows: Table, identity: np.ndarray, output: np.ndarr
         path = str(rows["module"][r])
         if module_row[r] and not path:
             continue  # the whole model's: sent back out of it
-        into.setdefault((rows["rank"][r], rows["step"][r], path.rpartition(".")[0] if module_row[r] else path),
-                        []).append(r)
+        holder = path.rpartition(".")[0] if module_row[r] else path
+        into.setdefault((rows["rank"][r], rows["step"][r], holder), []).append(r)
     for r in np.flatnonzero(backward & (rows["role"] == "grad_output") & module_row).tolist():
         into.setdefault((rows["rank"][r], rows["step"][r], str(rows["module"][r])), []).append(r)
     returned: dict[int, set[str]] = {}  # a tensor -> the modules whose forward returned it
@@ -387,8 +387,9 @@ def _read_by_code_not_dumped(rows: Table, identity: np.ndarray, output: np.ndarr
     for g in gradients.tolist():
         path = str(rows["module"][g])  # a module's own path, or the module holding an API call
         around = _enclosing_paths(path)
-        outer = [p for p in around if p in returned.get(int(identity[output[g]]), ()) or (module_row[g] and p == path)]
-        scope = path if not outer else outer[0].rpartition(".")[0] if outer[0] else None
+        returning = returned.get(int(identity[output[g]]), set()) | ({path} if module_row[g] else set())
+        outer = next((p for p in around if p in returning), None)  # the outermost module that returned it
+        scope = path if outer is None else outer.rpartition(".")[0] if outer else None
         held = np.array(into.get((rows["rank"][g], rows["step"][g], scope), []), np.int64)
         made_after = module_row[held] & (rows["role"][held] == "grad_input") & isin(rows["module"][held], around)
         itself = (identity[held] == identity[g]) & (identity[g] >= 0)
@@ -438,7 +439,7 @@ _SOURCES = {
                             "accumulation, all-reduce), or, after steps that were not dumped, the updates that "
                             "were not dumped (dump those steps to see them)",
 }
-# What such a gradient is where no dumped call read the output it flows back into (`_unread_output`)
+# What such a gradient is where no dumped call read the output it flows back into (`unread_outputs`)
 _UNREAD_GRADIENT = ("a gradient flowing into the call whose forward output no dumped call read, beyond what the "
                     "code that read it could read: that code was not dumped (a loss or other code after the model, "
                     "an operation filtered out, at level module the arithmetic between modules), and may amplify "
