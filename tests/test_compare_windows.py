@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pi0align.compare import compare_dumps, engine
-from pi0align.testing.dumpfactory import Call, Step, write_dump, write_msprobe_dump
+from pi0align.testing.dumpfactory import Call, Step, default_manifest, write_dump, write_msprobe_dump
 from pi0align.testing.scenarios import NOISY, Emulation, ToyRun, dump_toy
 
 FOUR_STEPS = {"steps": 4, "dumped": (0, 1, 2, 3)}
@@ -105,40 +105,65 @@ STEPS = 60
 CALLS = 200  # a chain of tanh calls a step
 
 
-def _stats_dump(path):
-    """STEPS steps of a chain of CALLS calls, float32 statistics."""
+def _stats_dump(path, steps=STEPS, calls=CALLS, rank=0, world_size=1):
+    """`steps` steps of a chain of `calls` calls, float32 statistics, as one rank's file."""
     rng = np.random.default_rng(0)
-    steps = []
-    for step in range(STEPS):
+    chains = []
+    for step in range(steps):
         value = rng.standard_normal((8, 64)).astype(np.float32)
-        calls = []
-        for i in range(CALLS):
+        chain = []
+        for i in range(calls):
             output = np.tanh(value).astype(np.float32)
-            calls.append(Call(f"layers.{i}/Functional.tanh#0", f"layers.{i}", "Functional.tanh", "forward",
+            chain.append(Call(f"layers.{i}/Functional.tanh#0", f"layers.{i}", "Functional.tanh", "forward",
                               [("input", 0, value), ("output", 0, output)]))
             value = output
-        steps.append(Step(step, calls, 1.0, 1.0, 1e-3))
-    return write_dump(path, steps, mode="stats")
+        chains.append(Step(step, chain, 1.0, 1.0, 1e-3))
+    return write_dump(path, chains, mode="stats", rank=rank, world_size=world_size,
+                      manifest=default_manifest(rank=rank, world_size=world_size))
+
+
+def _compare_peak(dump, rows_per_window: int, steps: int) -> tuple[str, int, int]:
+    """(verdict, rows, peak resident KiB) of a compare of `dump` with itself at its first `steps`
+    steps, in windows of `rows_per_window` records, in a process of its own."""
+    # VmHWM, the process's own peak (ru_maxrss would carry over this forking process's)
+    script = ("import json, sys; from pi0align.compare import engine, compare_dumps; "
+              f"engine.ROWS_PER_WINDOW = {rows_per_window}; "
+              "r = compare_dumps(sys.argv[1], sys.argv[1], steps=range(int(sys.argv[2]))); "
+              "peak = next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM')); "
+              "print(json.dumps([r.verdict, sum(len(p) for p in r.row_parts(['step'])), peak]))")
+    done = subprocess.run([sys.executable, "-c", script, str(dump), str(steps)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return tuple(json.loads(done.stdout))
 
 
 def test_a_compare_holds_one_window_of_rows_whatever_the_number_of_steps(tmp_path):
     """Peak memory of compares of the first sixth of the steps and of all of them (24,000 rows),
     windows of five steps: the same within 16 MiB (4 MiB here; judged whole, 60 MiB more)."""
     dump = _stats_dump(tmp_path / "a.h5")
-    # VmHWM, the process's own peak (ru_maxrss would carry over this forking process's)
-    script = ("import json, sys; from pi0align.compare import engine, compare_dumps; "
-              f"engine.ROWS_PER_WINDOW = {5 * CALLS * 2}; "
-              "r = compare_dumps(sys.argv[1], sys.argv[1], steps=range(int(sys.argv[2]))); "
-              "peak = next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM')); "
-              "print(json.dumps([r.verdict, sum(len(p) for p in r.row_parts(['step'])), peak]))")
     peaks = {}
     for steps in (STEPS // 6, STEPS):
-        done = subprocess.run([sys.executable, "-c", script, str(dump), str(steps)], capture_output=True, text=True,
-                              timeout=600)
-        assert done.returncode == 0, done.stderr[-2000:]
-        verdict, rows, peaks[steps] = json.loads(done.stdout)
+        verdict, rows, peaks[steps] = _compare_peak(dump, 5 * CALLS * 2, steps)
         assert (verdict, rows) == ("aligned", steps * CALLS * 2)
     assert peaks[STEPS] - peaks[STEPS // 6] < 16 << 10, peaks
+
+
+RANK_CALLS = 4_000  # a rank's calls a step: a step of eight ranks holds 64,000 records
+
+
+def test_a_step_of_many_ranks_is_judged_a_group_of_ranks_at_a_time(tmp_path):
+    """Peak memory of compares of two ranks and of eight, a step of 16,000 and of 64,000 records,
+    in windows of one rank's step: the same within 16 MiB (7 MiB here; held whole, the eight
+    ranks' step took 109 MiB more). Two ranks, not one: both measure their ranks in processes of
+    their own (engine._workers)."""
+    peaks = {}
+    for ranks in (2, 8):
+        run = tmp_path / f"ranks{ranks}"
+        for rank in range(ranks):
+            _stats_dump(run / f"dump-rank{rank}.h5", steps=1, calls=RANK_CALLS, rank=rank, world_size=ranks)
+        verdict, rows, peaks[ranks] = _compare_peak(run, RANK_CALLS * 2, 1)
+        assert (verdict, rows) == ("aligned", ranks * RANK_CALLS * 2)
+    assert peaks[8] - peaks[2] < 16 << 10, peaks
 
 
 @pytest.mark.skipif(importlib.util.find_spec("msprobe") is None, reason="mindstudio-probe not installed")

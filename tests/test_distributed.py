@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import REPO, assert_one_line_error, run_cli
 
-from pi0align.compare import compare_dumps
+from pi0align.compare import compare_dumps, engine
 from pi0align.device import resolve
 from pi0align.errors import UserError
 from pi0align.runs.envdiff import DIFFERS, MATTERS, env_diff
@@ -54,24 +54,48 @@ def test_two_processes_write_a_dump_per_rank_and_one_summary(two_process_runs):
     assert manifest["world_size"] == 2 and manifest["config"]["nproc"] == 2
 
 
+# Steps whose records fit in a window are judged with every rank; a step of more is judged a group
+# of ranks at a time (compare/engine.py, Window): here each rank alone (a window of one record).
+WINDOWS = {"every rank at once": None, "a rank at a time": 1}
+
+
 @pytest.mark.slow  # the fixture's runs
-def test_two_runs_of_one_seed_compare_aligned_on_every_rank(two_process_runs):
+@pytest.mark.parametrize("rows_per_window", WINDOWS.values(), ids=WINDOWS.keys())
+def test_two_runs_of_one_seed_compare_aligned_on_every_rank(two_process_runs, rows_per_window, monkeypatch):
+    if rows_per_window:
+        monkeypatch.setattr(engine, "ROWS_PER_WINDOW", rows_per_window)
     result = compare_dumps(two_process_runs["a"][0], two_process_runs["b"][0], replay=False)
     assert result.verdict == "aligned" and result.rank_verdicts == {0: "aligned", 1: "aligned"}
     assert result.rows["rank"].nunique() == 2 and result.rows_over_dtype_limits == 0
 
 
-@pytest.mark.slow  # another run of 2 processes
-def test_a_fault_on_rank_1_is_found_on_rank_1_only(two_process_runs, tmp_path):
-    """Every gelu of rank 1 × 1.03: the culprits are rank 1's; rank 0 parts only through the
-    all-reduce (its rows after it fail, no call of it is blamed)."""
-    faulty = tmp_path / "faulty"
+@pytest.fixture(scope="module")
+def faulty_rank_1(tmp_path_factory):
+    """A run of 2 processes like the fixture's, every gelu of rank 1 × 1.03."""
+    faulty = tmp_path_factory.mktemp("faulty") / "run"
     done = _launch(2, "-m", "pi0align.testing.faulty_rank", "1", "gelu", "1.03", "run", *TWO, "--out", faulty)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = compare_dumps(two_process_runs["a"][0], faulty, replay=False)
-    assert result.verdict == "diverged" and result.first_divergence.rank == 1
-    assert result.culprits and {c.rank for c in result.culprits} == {1}
-    assert result.culprits[0].api == "Functional.gelu"
+    return faulty
+
+
+@pytest.mark.slow  # another run of 2 processes
+def test_a_fault_on_rank_1_is_found_on_rank_1_only(two_process_runs, faulty_rank_1, monkeypatch):
+    """The culprits are rank 1's; rank 0 parts only through the all-reduce (its rows after it
+    fail, no call of it is blamed). Judged a rank at a time, the answer is the same row by row:
+    judged alone, without rank 1's first culprit, rank 0 explained 136 of its rows that read
+    rank 1's gradients."""
+    answers = []
+    for rows_per_window in WINDOWS.values():
+        if rows_per_window:
+            monkeypatch.setattr(engine, "ROWS_PER_WINDOW", rows_per_window)
+        result = compare_dumps(two_process_runs["a"][0], faulty_rank_1, replay=False)
+        assert result.verdict == "diverged" and result.first_divergence.rank == 1
+        assert result.culprits and {c.rank for c in result.culprits} == {1}
+        assert result.culprits[0].api == "Functional.gelu"
+        rows = result.table(columns=["rank", "step", "name", "role", "arg_index", "verdict", "explained_by"])
+        answers.append(([(c.rank, c.step, c.name) for c in result.culprits], result.rank_verdicts,
+                        {column: rows[column].tolist() for column in rows.columns}))
+    assert answers[0] == answers[1]
 
 
 @pytest.mark.slow  # a resumed run of 2 processes

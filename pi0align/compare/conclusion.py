@@ -10,12 +10,14 @@ update reads, after a gap in the dumped steps too), and each rank's first culpri
 it may inherit its error). The rows are written to a RowStore; culprits, counts and notes are
 gathered. Within a window an API's calls are each
 other's peers (judge.stands_out, judge.family_off): a window holds at most engine.ROWS_PER_WINDOW
-records, or one step where a step holds more.
+records, or one step of a group of ranks where a step holds more (engine.Window): each group is
+judged knowing the first culprits that the other groups have when judged alone (`first_culprits`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,7 +30,15 @@ from pi0align.compare.judging.explain import (
 )
 from pi0align.compare.judging.groups import culprit_groups, family_counts
 from pi0align.compare.judging.identity import tensor_identities
-from pi0align.compare.judging.judge import bit_comparable, computes_alike, first_positions, judge, noise_model
+from pi0align.compare.judging.judge import (
+    Judgement,
+    Position,
+    bit_comparable,
+    computes_alike,
+    first_positions,
+    judge,
+    noise_model,
+)
 from pi0align.compare.judging.manifest import (
     manifest_diff,
     manifest_notes,
@@ -47,7 +57,7 @@ from pi0align.compare.judging.rootcause import (
     parameter_calls,
     producers,
 )
-from pi0align.compare.judging.verdict import judge_rows
+from pi0align.compare.judging.verdict import RowVerdicts, judge_rows
 from pi0align.compare.reading.records import OUTPUT_ROLES, Dump, user_frames
 from pi0align.compare.result import ROW_COLUMNS, CallRef, Comparison
 from pi0align.compare.rowstore import RowStore
@@ -61,6 +71,18 @@ MIN_PAIRED_SHARE = 0.5
 # What judging reads of a dump's records (the steps it holds, a call's stack); the rest is measured
 # before it, and let go (engine.py).
 RECORD_COLUMNS_JUDGED = ("step", "seq", "call")
+
+
+class _Stages(NamedTuple):
+    """A window's rows through the verdict's stages up to the judgement of each call."""
+
+    judged_rows: RowVerdicts
+    rounding: np.ndarray
+    identity: np.ndarray
+    producer: np.ndarray
+    calls: Table
+    judgement: Judgement
+    noisy_start: bool
 
 
 class Conclusion:
@@ -94,6 +116,7 @@ class Conclusion:
         self.family_counts: dict = {}
         self.first: CallRef | None = None
         self.first_backward: CallRef | None = None
+        self.first_at: dict[str, tuple] = {}  # (step, phase, seq) of `first` and `first_backward`
         self.unexplained: tuple | None = None  # (order key, CallRef or None, note): the first failing row
         self.steps_held: tuple[set[int], set[int]] = (set(), set())
         self.metrics: tuple[Table, Table] | None = None  # A's and B's, per training step
@@ -102,10 +125,11 @@ class Conclusion:
         self.hyper_parameters: list = []
 
     def add(self, parts: list[tuple[Table, list[str], list]], runs_a: dict[int, Dump], runs_b: dict[int, Dump],
-            reference: Table | None) -> None:
+            reference: Table | None, alongside: Sequence[Position] = ()) -> None:
         """Judge one window: `parts`, each rank's measured rows, notes and differing optimizer
-        settings (engine._compare_rank); the window's dumps; the noise reference's rows, if any."""
-        rows = Table.concat([p[0] for p in parts])
+        settings (engine._compare_rank); the window's dumps; the noise reference's rows, if any;
+        in a step judged a group of ranks at a time, the other groups' `first_culprits`."""
+        rows = self._window_rows(parts, runs_a, runs_b)
         for dump in [*runs_a.values(), *runs_b.values()]:
             self.note(dump.notes)
         for part in parts:
@@ -114,11 +138,6 @@ class Conclusion:
             self.hyper_parameters = parts[0][2]
         for held, runs in zip(self.steps_held, (runs_a, runs_b)):
             held.update(int(s) for run in runs.values() for s in np.unique(run.records["step"]))
-        first_a, first_b = runs_a[min(runs_a)], runs_b[min(runs_b)]
-        if self.metrics is None:
-            self.metrics = (first_a.metrics, first_b.metrics)
-            self.manifests = (first_a.manifest, first_b.manifest)
-            self.diff = manifest_diff(first_a.manifest, first_b.manifest)
         self.windows += 1
         self._count_pairings(rows)
         if not len(rows):
@@ -126,22 +145,11 @@ class Conclusion:
         stack_lookups = {rank: _stack_lookup(dump) for rank, dump in runs_a.items()}
         stack_of = lambda rank, step, seq: stack_lookups[rank](step, seq) if rank in stack_lookups else []
 
-        judged_rows = judge_rows(rows, self.thresholds, reference)
-        rounding = rounding_level(rows, judged_rows.verdict)
-        rows["identical"] = judged_rows.identical
-        if self.first_step is None:
-            self.first_step = int(rows["step"].min())
-            self.exact = bit_comparable(rows, judged_rows.identical, self.diff, self.manifests[0])
-        identity = tensor_identities(rows)
-        producer = producers(rows, judged_rows.verdict, identity)
-        # the same initial weights, which rounding alone may have parted by a first dumped step past 0
-        noisy_start = same_initial_weights(self.diff, *self.manifests) and \
-            not computes_alike(self.diff, self.manifests[0])
-        calls = call_table(rows, judged_rows.verdict, rounding, identity, producer, self.first_step, self.parameters,
-                           noisy_start)
-        judgement = judge(calls, self.fallback, exact=self.exact, earlier=self.earlier)
+        earlier = [*self.earlier, *alongside]
+        judged_rows, rounding, identity, producer, calls, judgement, noisy_start = self._stages(rows, reference,
+                                                                                                earlier)
         explanation = explain(rows, judged_rows.verdict, rounding, identity, producer, calls, judgement,
-                              self.earlier, self.states, noisy_start)
+                              earlier, self.states, noisy_start)
 
         rows["severity"], rows["over_dtype_limits"] = judged_rows.severity, judged_rows.over_dtype_limits
         rows["verdict"], rows["explained_by"] = explanation.verdict, explanation.explained_by
@@ -163,9 +171,7 @@ class Conclusion:
         self.blame.append(judgement.blame[order])
         if len(self.culprits) < MAX_CULPRITS:  # the windows' steps follow each other: so do their culprits
             self.culprits += culprits(calls, judgement, stack_of)[:MAX_CULPRITS - len(self.culprits)]
-        self.first = self.first or first_divergence(calls, judgement.culprit, stack_of)
-        self.first_backward = self.first_backward or first_divergence(calls, judgement.culprit, stack_of,
-                                                                     direction="backward")
+        self._keep_first(calls, judgement.culprit, stack_of)
         self.weights_culprit |= bool((judgement.culprit & (calls["kind"] == "initial_weights")).any())
         failing = rows["verdict"] == "fail"
         self.failed |= bool(failing.any())
@@ -177,6 +183,57 @@ class Conclusion:
         if failing.any() and self.first is None:  # what parted first, where no call is a culprit
             self._first_failing_row(rows, calls, identity, stack_of)
         self._store(rows)
+
+    def first_culprits(self, parts: list[tuple[Table, list[str], list]], runs_a: dict[int, Dump],
+                       runs_b: dict[int, Dump], reference: Table | None) -> list[Position]:
+        """The first culprit of each rank of a group of a step's ranks judged alone (the first
+        pass over a step too large to judge whole, engine.Window); nothing is kept of them."""
+        rows = self._window_rows(parts, runs_a, runs_b)
+        if not len(rows):
+            return []
+        stages = self._stages(rows, reference, self.earlier)
+        return first_positions(stages.calls, stages.judgement.culprit)
+
+    def _window_rows(self, parts: list[tuple[Table, list[str], list]], runs_a: dict[int, Dump],
+                     runs_b: dict[int, Dump]) -> Table:
+        """The window's rows; the runs' metrics and manifests taken from the first window."""
+        if self.metrics is None:
+            first_a, first_b = runs_a[min(runs_a)], runs_b[min(runs_b)]
+            self.metrics = (first_a.metrics, first_b.metrics)
+            self.manifests = (first_a.manifest, first_b.manifest)
+            self.diff = manifest_diff(first_a.manifest, first_b.manifest)
+        return Table.concat([p[0] for p in parts])
+
+    def _stages(self, rows: Table, reference: Table | None, earlier: Sequence[Position]) -> _Stages:
+        """The rows against their limits, the call table and the judgement of each call (the
+        comparison's first step and whether the runs are bit-comparable taken from the first)."""
+        judged_rows = judge_rows(rows, self.thresholds, reference)
+        rounding = rounding_level(rows, judged_rows.verdict)
+        rows["identical"] = judged_rows.identical
+        if self.first_step is None:
+            self.first_step = int(rows["step"].min())
+            self.exact = bit_comparable(rows, judged_rows.identical, self.diff, self.manifests[0])
+        identity = tensor_identities(rows)
+        producer = producers(rows, judged_rows.verdict, identity)
+        # the same initial weights, which rounding alone may have parted by a first dumped step past 0
+        noisy_start = same_initial_weights(self.diff, *self.manifests) and \
+            not computes_alike(self.diff, self.manifests[0])
+        calls = call_table(rows, judged_rows.verdict, rounding, identity, producer, self.first_step, self.parameters,
+                           noisy_start)
+        judgement = judge(calls, self.fallback, exact=self.exact, earlier=earlier)
+        return _Stages(judged_rows, rounding, identity, producer, calls, judgement, noisy_start)
+
+    def _keep_first(self, calls: Table, culprit: np.ndarray, stack_of: Callable) -> None:
+        """The first divergence, and the first in a backward pass, of all windows: the earliest in
+        execution order (the groups of ranks of one step come one after the other)."""
+        for attribute, guilty in (("first", culprit), ("first_backward", culprit & (calls["direction"] == "backward"))):
+            found = first_positions(calls, guilty)
+            if not found:
+                continue
+            at = min(tuple(position[1:]) for position in found)
+            if attribute not in self.first_at or at < self.first_at[attribute]:
+                self.first_at[attribute] = at
+                setattr(self, attribute, first_divergence(calls, guilty, stack_of))
 
     def comparison(self, runs_reference: dict[int, Dump] | None) -> Comparison:
         """The Comparison of every window added."""

@@ -1,5 +1,6 @@
 """compare_dumps: open two runs and, a window of steps at a time, pair their records, measure
-them, and hand them to the Conclusion (conclusion.py), which judges them and finds the root cause."""
+them, and hand them to the Conclusion (conclusion.py), which judges them and finds the root cause.
+A step of more records than a window holds is judged in groups of ranks, in two passes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,6 +44,21 @@ Progress = Callable[[int, int], None]
 # Records judged at once (a window of steps, conclusion.py): a window's rows and their stages take
 # about 1.5 KB a record at their peak, so about 150 MB; the dumps' other steps wait on disk.
 ROWS_PER_WINDOW = 100_000
+
+
+@dataclass(frozen=True)
+class Window:
+    """Steps judged together, and the groups of ranks judged together: every rank in one group,
+    except for a step of more than ROWS_PER_WINDOW records, whose ranks are judged a group at a
+    time, twice: first to find each group's first culprits, then again knowing the other groups'
+    (a call that parts one rank reaches the others through the all-reduce, judge.downstream)."""
+
+    steps: list[int]
+    rank_groups: list[list[int]]
+
+    @property
+    def passes(self) -> int:
+        return 1 if len(self.rank_groups) == 1 else 2
 
 
 def compare_dumps(path_a: str | Path, path_b: str | Path, *, thresholds: dict | None = None,
@@ -83,41 +100,69 @@ def _compare(path_a: str | Path, path_b: str | Path, thresholds: dict, steps: It
     steps_a, steps_b = (set().union(*ranks.values()) for ranks in held[:2])
     windows = _windows(path_a, held[0], sorted(steps_a & steps_b))
     conclusion = Conclusion(thresholds, str(path_a), str(path_b), "reference" if noise is not None else "intrinsic",
-                            len(windows))
+                            sum(len(window.rank_groups) for window in windows))
     conclusion.note([f"step{'s' if len(only) > 1 else ''} {_listed(only)} held by {side} only: not compared"
                      for side, only in (("A", steps_a - steps_b), ("B", steps_b - steps_a)) if only])
-    tracker = _Tracker(progress, 0)
-    runs_reference = None
-    with _workers(len(held[0]) * (len(paths) - 1)) as pool:
+    measuring = _Measuring(paths, replay, _Tracker(progress, 0),
+                           sum(len(w.rank_groups) * w.passes for w in windows))
+    with _workers(len(held[0]) * (len(paths) - 1)) as measuring.pool:
         for index, window in enumerate(windows):
-            opened: list[dict[int, Dump]] = []
-            try:
-                for path in paths:
-                    opened.append(open_run(path, set(window)))
-                runs_a, runs_b = opened[0], opened[1]
-                if index == 0:
-                    if noise is not None:
-                        check_reference(runs_a, opened[2], path_a, noise)
-                        runs_reference = opened[2]
-                    replay &= all(runs[r].mode == "tensor" for runs in (runs_a, runs_b) for r in runs)
-                    if replay:
-                        _check_replay_imports()
-                pairs = [(runs_a[r], runs_b[r], replay) for r in sorted(runs_a)]
-                if noise is not None:
-                    pairs += [(runs_a[r], opened[2][r], False) for r in sorted(runs_a)]
-                work = sum(_work(a, b, replay) for a, b, replay in pairs)
-                tracker.total = tracker.done + work * (len(windows) - index)  # the windows left taken alike
-                parts = _compare_pairs(pairs, set(window), tracker, pool)
-                reference = Table.concat([p[0] for p in parts[len(runs_a):]]) if noise is not None else None
-                for runs in opened:
-                    _keep_judged_columns(runs)
-                conclusion.add(parts[:len(runs_a)], runs_a, runs_b, reference)
-            finally:
-                for runs in opened:
-                    _close(runs)
+            alongside: dict[int, list] = {}  # each group's first culprits, judged alone (the first pass)
+            if window.passes == 2:
+                for group, ranks in enumerate(window.rank_groups):
+                    with measuring.part(window.steps, ranks) as measured:
+                        alongside[group] = conclusion.first_culprits(*measured)
+            for group, ranks in enumerate(window.rank_groups):
+                with measuring.part(window.steps, ranks) as measured:
+                    conclusion.add(*measured, alongside=[position for other, found in alongside.items()
+                                                         if other != group for position in found])
             if index + 1 < len(windows):
                 gc.collect()  # whatever cycles the window left (the collector is paused meanwhile)
-    return conclusion.comparison(runs_reference)
+    return conclusion.comparison(measuring.runs_reference)
+
+
+class _Measuring:
+    """Opens the runs at some steps and ranks, measures each rank's pair, and closes them again."""
+
+    def __init__(self, paths: list, replay: bool, tracker: _Tracker, parts: int):
+        self.paths, self.replay, self.tracker = paths, replay, tracker
+        self.parts_left = parts  # to estimate the progress's total
+        self.pool: ProcessPoolExecutor | None = None
+        self.runs_reference: dict[int, Dump] | None = None
+        self.checked = False
+
+    @contextmanager
+    def part(self, steps: list[int], ranks: list[int]) -> Iterator[tuple[list, dict, dict, Table | None]]:
+        """(each rank's measured rows, notes and differing optimizer settings; A's and B's Dumps;
+        the noise reference's rows or None) at these steps and ranks, their dumps open meanwhile."""
+        opened: list[dict[int, Dump]] = []
+        try:
+            for path in self.paths:
+                opened.append(open_run(path, set(steps), set(ranks)))
+            runs_a, runs_b = opened[0], opened[1]
+            noise = len(opened) > 2
+            if not self.checked:
+                self.checked = True
+                if noise:
+                    check_reference(runs_a, opened[2], self.paths[0], self.paths[2])
+                    self.runs_reference = opened[2]
+                self.replay &= all(runs[r].mode == "tensor" for runs in (runs_a, runs_b) for r in runs)
+                if self.replay:
+                    _check_replay_imports()
+            pairs = [(runs_a[r], runs_b[r], self.replay) for r in sorted(runs_a)]
+            if noise:
+                pairs += [(runs_a[r], opened[2][r], False) for r in sorted(runs_a)]
+            work = sum(_work(a, b, replay) for a, b, replay in pairs)
+            self.tracker.total = self.tracker.done + work * self.parts_left  # the parts left taken alike
+            self.parts_left -= 1
+            parts = _compare_pairs(pairs, set(steps), self.tracker, self.pool)
+            reference = Table.concat([p[0] for p in parts[len(runs_a):]]) if noise else None
+            for runs in opened:
+                _keep_judged_columns(runs)
+            yield parts[:len(runs_a)], runs_a, runs_b, reference
+        finally:
+            for runs in opened:
+                _close(runs)
 
 
 def _steps_held(path: str | Path, wanted: set[int] | None) -> dict[int, dict[int, int | None]]:
@@ -145,25 +190,51 @@ def _check_runs(held: list[dict[int, dict]], paths: list, wanted: set[int] | Non
                         f"{_listed(steps[1])} (runs are compared at the same steps: give both the same --dump-steps)")
 
 
-def _windows(path_a: str | Path, held_a: dict[int, dict[int, int | None]], steps: list[int]) -> list[list[int]]:
-    """The steps in windows of at most ROWS_PER_WINDOW of A's records (at least one step each), by
-    each step's count where the dump tells it, else as many as its first step holds (read to count)."""
-    counts = {step: sum(ranks.get(step) or 0 for ranks in held_a.values()) for step in steps}
-    if len(steps) > 1 and any(None in ranks.values() for ranks in held_a.values()):
-        first = open_run(path_a, {min(step for ranks in held_a.values() for step in ranks)})
-        try:
-            counts = dict.fromkeys(steps, sum(len(dump.records) for dump in first.values()))
-        finally:
-            _close(first)
-    windows: list[list[int]] = []
+def _windows(path_a: str | Path, held_a: dict[int, dict[int, int | None]], steps: list[int]) -> list[Window]:
+    """The steps in windows of at most ROWS_PER_WINDOW of A's records, every rank's, by each step's
+    count where the dump tells it, else as many as its first step holds (read to count, a rank at
+    a time). A step of more records has a window of its own, its ranks in groups of at most that
+    many (one rank at least each)."""
+    counts = {step: {rank: held_a[rank].get(step) or 0 for rank in held_a} for step in steps}
+    if any(None in ranks.values() for ranks in held_a.values()) and (len(steps) > 1 or len(held_a) > 1):
+        first = min(step for ranks in held_a.values() for step in ranks)
+        counts = dict.fromkeys(steps, {rank: _records(path_a, first, rank) for rank in held_a})
+    windows: list[Window] = []
     held = 0  # records in the last window
     for step in steps:
-        if not windows or held + counts[step] > ROWS_PER_WINDOW:
-            windows.append([])
+        total = sum(counts[step].values())
+        if total > ROWS_PER_WINDOW and len(counts[step]) > 1:
+            windows.append(Window([step], _rank_groups(counts[step])))
+            held = ROWS_PER_WINDOW  # the next step starts a window
+            continue
+        if not windows or held + total > ROWS_PER_WINDOW:
+            windows.append(Window([], [sorted(held_a)]))
             held = 0
-        windows[-1].append(step)
-        held += counts[step]
+        windows[-1].steps.append(step)
+        held += total
     return windows
+
+
+def _records(path: str | Path, step: int, rank: int) -> int:
+    """The number of records of one rank at one step, read to count them."""
+    opened = open_run(path, {step}, {rank})
+    try:
+        return sum(len(dump.records) for dump in opened.values())
+    finally:
+        _close(opened)
+
+
+def _rank_groups(counts: dict[int, int]) -> list[list[int]]:
+    """The ranks in order, in groups of at most ROWS_PER_WINDOW records (`counts`: each rank's)."""
+    groups: list[list[int]] = []
+    held = 0
+    for rank in sorted(counts):
+        if not groups or held + counts[rank] > ROWS_PER_WINDOW:
+            groups.append([])
+            held = 0
+        groups[-1].append(rank)
+        held += counts[rank]
+    return groups
 
 
 def _listed(steps: set[int]) -> str:
@@ -252,7 +323,7 @@ def _main_importable() -> bool:
 def _compare_rank_at(source_a: str, source_b: str, rank: int, wanted: set[int] | None,
                      replay: bool) -> tuple[Table, list[str], list]:
     """_compare_rank of one rank of two dumps given by path (in a process of its own)."""
-    opened = [open_run(source, wanted) for source in (source_a, source_b)]
+    opened = [open_run(source, wanted, {rank}) for source in (source_a, source_b)]
     try:
         return _compare_rank(opened[0][rank], opened[1][rank], _Tracker(None, 0), replay)
     finally:

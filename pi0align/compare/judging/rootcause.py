@@ -660,12 +660,11 @@ def _batch_stand_ins(calls: Table, rows: Table, call_of_row: np.ndarray, model_i
     return stand_ins
 
 
-def first_divergence(calls: Table, guilty: np.ndarray, stack_of: Callable[[int, int, int], list[str]],
-                     direction: str | None = None) -> CallRef | None:
-    """First call in execution order among `guilty` (of `direction` only, when given)."""
+def first_divergence(calls: Table, guilty: np.ndarray,
+                     stack_of: Callable[[int, int, int], list[str]]) -> CallRef | None:
+    """First call in execution order among `guilty`."""
     order = execution_order(calls)
-    wanted = guilty if direction is None else guilty & (calls["direction"] == direction)
-    candidates = order[wanted[order]]
+    candidates = order[guilty[order]]
     if not len(candidates):
         return None
     return call_ref(calls, candidates[0], stack_of)

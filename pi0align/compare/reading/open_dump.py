@@ -15,13 +15,16 @@ from pi0align.errors import UserError
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
-def open_run(path: str | Path, steps: set[int] | None = None) -> dict[int, Dump]:
-    """{rank: Dump} for every rank found at `path`, holding the records of `steps` (all when None)."""
+def open_run(path: str | Path, steps: set[int] | None = None, ranks: set[int] | None = None) -> dict[int, Dump]:
+    """{rank: Dump} for every rank found at `path` (of `ranks`, when given), holding the records of
+    `steps` (all when None)."""
     files, path = _locate(Path(path))
     if files is None:
-        return read_msprobe.read_msprobe(path, steps)
+        return read_msprobe.read_msprobe(path, steps, ranks)
     from pi0align.compare.reading import read_ours
 
+    if ranks is not None:
+        files = [file for file in files if read_ours.rank_of(file) in ranks]
     dumps = [read_ours.read_pi0align(file, steps) for file in files]
     try:
         return _by_rank([(dump.rank, file, dump) for file, dump in zip(files, dumps)], path)

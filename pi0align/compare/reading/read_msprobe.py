@@ -56,11 +56,13 @@ def dumped_steps(path: Path) -> dict[int, dict[int, None]]:
     return dict(sorted(by_rank.items()))
 
 
-def read_msprobe(path: Path, steps: set[int] | None = None) -> dict[int, Dump]:
-    """All ranks of an msprobe dump: {rank: Dump}, holding the records of `steps` (all when None;
-    none where a rank holds none of them)."""
+def read_msprobe(path: Path, steps: set[int] | None = None, ranks: set[int] | None = None) -> dict[int, Dump]:
+    """The ranks of an msprobe dump (all, or `ranks`): {rank: Dump}, holding the records of `steps`
+    (all when None; none where a rank holds none of them)."""
     by_rank: dict[int, list[tuple[int, Path]]] = {}
     for step, rank, folder in _step_folders(path):
+        if ranks is not None and rank not in ranks:
+            continue
         wanted = by_rank.setdefault(rank, [])
         if steps is None or step in steps:
             wanted.append((step, folder))
