@@ -121,6 +121,20 @@ def test_a_module_is_blamed_for_what_it_ran_that_was_not_dumped(function, workbe
     assert len(result.culprits) == 1 and result.culprits[0].api == "Module.Sequential"
 
 
+def test_the_parameter_gradients_of_a_module_not_dumped_are_held_to_the_gradient_entering_its_parent(workbench):
+    """A LayerNorm filtered out of the dump, module and all: its parameters' gradients are held to
+    the gradient entering the Sequential around it, summed over the batch (the reduction
+    condition). bf16 ulp noise: aligned (before: diverged, the bias's gradient bounded by nothing).
+    The gradient entering the LayerNorm 2× and 5× the fp32 limit off: its weight's gradient is the
+    culprit, at step 1 (before: diverged with no culprit). At step 0 every LayerNorm's weight is
+    ones, the same tensor by content (identity.py), so this one's gradient is held to what the
+    others' readers sent them."""
+    for seed in (2, 3):
+        assert _play(f"mlp bf16 stats: a LayerNorm not dumped, ulp noise draw {seed}", workbench).verdict == "aligned"
+    for times in (2, 5):
+        _play(f"mlp fp32 stats: a LayerNorm not dumped, its gradients {times}x the limit off", workbench)
+
+
 def test_a_systematic_fault_in_half_precision_is_found(workbench):
     """bf16 under ulp noise, every layer_norm 3 % off (7.7 unit roundoffs): no call stands out from
     its peers, yet the API is off as a family. Before: aligned (the family rule was fp32's)."""

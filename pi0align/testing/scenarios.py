@@ -372,6 +372,21 @@ def rule_cases() -> list[Case]:
         cases.append(Case(f"mlp fp32 stats: {function} not dumped, 5x the limit off",
                           ToyRun(mode="stats", exclude=hidden), ToyRun(mode="stats", exclude=hidden, device=faulty),
                           "diverged", culprit, step=0))
+    # a module not dumped computes its parameters' gradients: held to the gradient entering the
+    # innermost dumped module around it (rootcause._add_gradient_sources)
+    hidden = ("blocks.1.1/*",)
+    for seed in (2, 3):
+        cases.append(Case(f"mlp bf16 stats: a LayerNorm not dumped, ulp noise draw {seed}",
+                          ToyRun(dtype="bf16", mode="stats", exclude=hidden),
+                          ToyRun(dtype="bf16", mode="stats", exclude=hidden,
+                                 device=Emulation(ulp_noise=1, ulp_seed=seed)), "aligned"))
+    for factor, times in ((1.0002, 2), (1.0005, 5)):
+        gradient_off = Emulation(ulp_noise=1, fault=("blocks.1.1", "layer_norm", 0, factor), fault_backward=True)
+        cases.append(Case(f"mlp fp32 stats: a LayerNorm not dumped, its gradients {times}x the limit off",
+                          ToyRun(mode="stats", exclude=hidden), ToyRun(mode="stats", exclude=hidden,
+                                                                       device=gradient_off),
+                          "diverged", "blocks.1.1.weight/Parameter#0", kind="gradient", direction="gradient",
+                          step=1))
     cases.append(Case("mlp bf16 stats: ulp noise + every layer_norm 3% off",
                       ToyRun(dtype="bf16", mode="stats", device=NOISY),
                       ToyRun(dtype="bf16", mode="stats", device=Emulation(ulp_noise=1, ulp_seed=2,

@@ -48,7 +48,7 @@ from pi0align.compare.judging.modules import enclosing_modules, holds_calls, is_
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, dtype_class, looser_classes
 from pi0align.compare.reading.records import INPUT_ROLES, OUTPUT_ROLES, subjects
 from pi0align.compare.result import CallRef, Culprit
-from pi0align.compare.table import Groups, Table, gather, isin, lookup
+from pi0align.compare.table import Groups, KeyIndex, Table, gather, isin, lookup
 
 STATS_ERRORS = ["norm_rel_err", "mean_val_rel_err", "min_rel_err", "max_val_rel_err"]
 # A norm and a mean sum a tensor's elementwise differences, so random ones (rounding's) move them
@@ -441,7 +441,8 @@ def _add_gradient_sources(calls: Table, rows: Table, identity: np.ndarray, error
                           failing: np.ndarray) -> None:
     """A parameter's gradient is the sum of what its readers' backward calls sent it (identity.py);
     where none of them was dumped (a dump at level module), the module owning the parameter
-    computed it: the input error of that module's backward call."""
+    computed it: the input error of that module's backward call, or where that module was not
+    dumped either (filtered out), of the innermost dumped module around it, which ran its code."""
     gradient = np.flatnonzero(calls["direction"] == "gradient")
     if not len(gradient):
         return
@@ -457,8 +458,7 @@ def _add_gradient_sources(calls: Table, rows: Table, identity: np.ndarray, error
     if not len(unknown):
         return
     backward_modules = np.flatnonzero(is_module(calls) & (calls["direction"] == "backward"))
-    keys = ("rank", "step", "module")
-    owner = lookup([calls[k][unknown] for k in keys], [calls[k][backward_modules] for k in keys])
+    owner = _owning_module_calls(calls, unknown, backward_modules)
     found = owner >= 0
     module_call = backward_modules[owner[found]]
     calls["input_error"][unknown[found]] = calls["input_error"][module_call]
@@ -467,6 +467,21 @@ def _add_gradient_sources(calls: Table, rows: Table, identity: np.ndarray, error
     calls["condition_rule"][unknown[found]] = "gradient sum"
     calls["input_error"][unknown[~found]] = np.inf
     calls["sourced"][unknown[~found]] = False
+
+
+def _owning_module_calls(calls: Table, gradients: np.ndarray, backward_modules: np.ndarray) -> np.ndarray:
+    """Per parameter gradient, the backward call among `backward_modules` (its index there) of the
+    module owning the parameter, else of the innermost module around it that has one; -1: none."""
+    modules = KeyIndex([calls[k][backward_modules] for k in ("rank", "step", "module")])
+    owner = np.full(len(gradients), -1, np.int64)
+    path = calls["module"][gradients].astype(object)
+    pending = np.ones(len(gradients), bool)
+    while pending.any():
+        at = np.flatnonzero(pending)
+        owner[at] = modules.rows([calls["rank"][gradients[at]], calls["step"][gradients[at]], path[at]])
+        pending[at] = (owner[at] < 0) & (path[at] != "")
+        path[at] = [module.rpartition(".")[0] for module in path[at].tolist()]
+    return owner
 
 
 def _reduction_conditions(calls: Table, rows: Table, gradients: np.ndarray, owners: np.ndarray) -> np.ndarray:
