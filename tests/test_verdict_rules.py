@@ -126,13 +126,21 @@ def test_the_parameter_gradients_of_a_module_not_dumped_are_held_to_the_gradient
     the gradient entering the Sequential around it, summed over the batch (the reduction
     condition). bf16 ulp noise: aligned (before: diverged, the bias's gradient bounded by nothing).
     The gradient entering the LayerNorm 2× and 5× the fp32 limit off: its weight's gradient is the
-    culprit, at step 1 (before: diverged with no culprit). At step 0 every LayerNorm's weight is
-    ones, the same tensor by content (identity.py), so this one's gradient is held to what the
-    others' readers sent them."""
+    culprit (before: diverged with no culprit)."""
     for seed in (2, 3):
         assert _play(f"mlp bf16 stats: a LayerNorm not dumped, ulp noise draw {seed}", workbench).verdict == "aligned"
     for times in (2, 5):
         _play(f"mlp fp32 stats: a LayerNorm not dumped, its gradients {times}x the limit off", workbench)
+
+
+@pytest.mark.parametrize("percent", [2, 5])
+def test_a_parameter_gradient_is_what_its_own_readers_sent_where_parameters_hold_the_same_bits(percent, workbench):
+    """bf16, ulp noise: every LayerNorm's weight is ones at every step (its updates stay under half
+    an ulp), so all of them are one tensor by their bits; one weight's gradient is 2 % or 5 % off
+    on its way from its layer_norm (a hook): that gradient is the culprit. Before: aligned, the
+    gradient held to what every LayerNorm's layer_norm sent."""
+    result = _play(f"mlp bf16 stats: ulp noise + a LayerNorm's weight gradient {percent}% off on its way", workbench)
+    assert result.culprits[0].name == "blocks.1.1.weight/Parameter#0"
 
 
 def test_a_systematic_fault_in_half_precision_is_found(workbench):

@@ -93,6 +93,9 @@ class ToyRun:
     checksums: bool = True  # False: the dump's checksums erased afterwards, as msprobe's dumps have none
     # (module, factor): a backward hook of that module sends its input's gradient × factor back
     module_gradient_scaled: tuple[str, float] | None = None
+    # (parameter, factor): a hook on that parameter scales what its readers send it, before it
+    # reaches .grad
+    parameter_gradient_scaled: tuple[str, float] | None = None
     device_name: str | None = None  # the manifest's: an emulated device that says so, as a real one's run does
     loss_scale: float = 1.0  # the loss × this before backward (a loss scaler or reduction gone wrong)
 
@@ -118,6 +121,9 @@ def _toy_training(run: ToyRun):
         hooked, factor = run.module_gradient_scaled
         model.get_submodule(hooked).register_full_backward_hook(
             lambda module, grad_input, grad_output: tuple(None if g is None else g * factor for g in grad_input))
+    if run.parameter_gradient_scaled is not None:
+        hooked, factor = run.parameter_gradient_scaled
+        model.get_parameter(hooked).register_hook(lambda gradient: gradient * factor)
     if run.update_scaled is not None:  # before the dumper's hooks, so that its records see it
         scaled, factor = model.get_parameter(run.update_scaled[0]), run.update_scaled[1]
         optimizer.register_step_post_hook(lambda *_: scaled.data.mul_(factor))
@@ -386,7 +392,15 @@ def rule_cases() -> list[Case]:
                           ToyRun(mode="stats", exclude=hidden), ToyRun(mode="stats", exclude=hidden,
                                                                        device=gradient_off),
                           "diverged", "blocks.1.1.weight/Parameter#0", kind="gradient", direction="gradient",
-                          step=1))
+                          step=0))
+    # every LayerNorm's weight is ones, in bf16 at every step: its gradient is what its own readers
+    # sent (identity._shared_parameters_own_readers), not every LayerNorm's readers
+    for percent in (2, 5):
+        off = ToyRun(dtype="bf16", mode="stats", device=NOISY, parameter_gradient_scaled=("blocks.1.1.weight",
+                                                                                         1 + percent / 100))
+        cases.append(Case(f"mlp bf16 stats: ulp noise + a LayerNorm's weight gradient {percent}% off on its way",
+                          ToyRun(dtype="bf16", mode="stats"), off, "diverged",
+                          "blocks.1.1.weight/Parameter#0", kind="gradient", direction="gradient"))
     cases.append(Case("mlp bf16 stats: ulp noise + every layer_norm 3% off",
                       ToyRun(dtype="bf16", mode="stats", device=NOISY),
                       ToyRun(dtype="bf16", mode="stats", device=Emulation(ulp_noise=1, ulp_seed=2,

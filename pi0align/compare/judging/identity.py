@@ -100,8 +100,38 @@ def gradient_sources(rows: Table, identity: np.ndarray, error: np.ndarray,
         if len(at) and len(source):
             found = lookup([k[at] for k in names] + [own_arg[at]], [k[source] for k in names] + [arg[source]])
             tensor[at] = np.where(found >= 0, identity[source[np.maximum(found, 0)]], -1)
-    codes, weighted, any_fails = _sent_back(rows, identity, error, failing)
-    return _sum_bounds(rows, tensor, codes, weighted, any_fails)
+    readers, sent = _readers_and_sent(rows, identity)
+    codes, weighted, any_fails = _sent_back(rows, identity, error, failing, readers, sent)
+    bound, readers_fail = _sum_bounds(rows, tensor, codes, weighted, any_fails)
+    _shared_parameters_own_readers(rows, identity, error, failing, readers, sent, tensor, bound, readers_fail)
+    return bound, readers_fail
+
+
+def _shared_parameters_own_readers(rows: Table, identity: np.ndarray, error: np.ndarray, failing: np.ndarray,
+                                   readers: np.ndarray, sent: np.ndarray, tensor: np.ndarray, bound: np.ndarray,
+                                   readers_fail: np.ndarray) -> None:
+    """Where several parameters hold the same bits (every LayerNorm's weight is ones at first, and
+    in bf16 long after: its updates stay under half an ulp), each one's gradient is what the
+    readers inside its own module sent back (NaN where none of them was dumped), not the others'
+    too: `bound` and `readers_fail` of those gradients set again."""
+    gradients = np.flatnonzero((rows["role"] == "parameter_grad") & (tensor >= 0))
+    _, inverse, counts = np.unique(tensor[gradients], return_inverse=True, return_counts=True)
+    shared = gradients[counts[inverse] > 1]
+    if not len(shared):
+        return
+    held = isin(identity[readers], tensor[shared])
+    readers, sent = readers[held], sent[held]
+    reader_modules = rows["module"][readers].tolist()
+    norm = rows["norm_a"].astype(np.float64)
+    for gradient in shared.tolist():
+        module = str(rows["module"][gradient])
+        mine = np.array([identity[reader] == tensor[gradient] and (path == module or path.startswith(module + "."))
+                         for reader, path in zip(readers.tolist(), reader_modules)], bool)
+        own = norm[gradient]
+        with np.errstate(invalid="ignore"):
+            total = float(np.sum(np.where(norm[sent[mine]] > 0, error[sent[mine]] * norm[sent[mine]], 0.0)))
+        bound[gradient] = np.nan if not mine.any() else total / own if own > 0 else (np.inf if total > 0 else 0.0)
+        readers_fail[gradient] = bool(failing[sent[mine]].any())
 
 
 def accumulated_gradient_sources(rows: Table, identity: np.ndarray, error: np.ndarray, failing: np.ndarray,
@@ -111,7 +141,7 @@ def accumulated_gradient_sources(rows: Table, identity: np.ndarray, error: np.nd
     which one is not recorded, the largest bound among the tensors read in forward that require a
     gradient (`leaves`) of the gradient's shape and dtype. Per row in `gradients`."""
     n = len(rows)
-    codes, weighted, any_fails = _sent_back(rows, identity, error, failing)
+    codes, weighted, any_fails = _sent_back(rows, identity, error, failing, *_readers_and_sent(rows, identity))
     leaf = np.flatnonzero(leaves & (identity >= 0))
     place = np.searchsorted(codes, identity[leaf])
     sent = place < len(codes)
@@ -133,19 +163,24 @@ def accumulated_gradient_sources(rows: Table, identity: np.ndarray, error: np.nd
     return bound, readers_fail
 
 
-def _sent_back(rows: Table, identity: np.ndarray, error: np.ndarray,
-               failing: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per tensor read in forward (its identity code, sorted): Σ e_i ‖g_i‖ over the gradients its
-    readers sent back, and whether one of them fails. A module and the calls inside it read the
-    same tensor, and autograd sums only what the innermost sent: the API calls' where there are
-    any, else the modules' of the longest path."""
+def _readers_and_sent(rows: Table, identity: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The forward inputs whose tensor is known, each with the gradient its call sent back for it
+    (rows of both, alike in length). A module and the calls inside it read the same tensor, and
+    autograd sums only what the innermost sent: the API calls' where there are any, else the
+    modules' of the longest path."""
     direction, role, arg = rows["direction"], rows["role"], rows["arg_index"]
     names = (rows["rank"], rows["step"], rows["name"])
     readers = np.flatnonzero((direction == "forward") & (role == "input") & (identity >= 0))
     readers = readers[_innermost_readers(rows, identity, readers)]
     sent = np.flatnonzero((direction == "backward") & (role == "grad_input"))
     at = lookup([k[readers] for k in names] + [arg[readers]], [k[sent] for k in names] + [arg[sent]])
-    readers, sent = readers[at >= 0], sent[at[at >= 0]]
+    return readers[at >= 0], sent[at[at >= 0]]
+
+
+def _sent_back(rows: Table, identity: np.ndarray, error: np.ndarray, failing: np.ndarray, readers: np.ndarray,
+               sent: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per tensor read in forward (its identity code, sorted): Σ e_i ‖g_i‖ over the gradients its
+    readers sent back (`_readers_and_sent`), and whether one of them fails."""
     norm = rows["norm_a"].astype(np.float64)
     codes, inverse = np.unique(identity[readers], return_inverse=True)
     with np.errstate(invalid="ignore"):
