@@ -103,9 +103,9 @@ def _compare(path_a: str | Path, path_b: str | Path, thresholds: dict, steps: It
                             sum(len(window.rank_groups) for window in windows))
     conclusion.note([f"step{'s' if len(only) > 1 else ''} {_listed(only)} held by {side} only: not compared"
                      for side, only in (("A", steps_a - steps_b), ("B", steps_b - steps_a)) if only])
-    measuring = _Measuring(paths, replay, _Tracker(progress, 0),
-                           sum(len(w.rank_groups) * w.passes for w in windows))
-    with _workers(len(held[0]) * (len(paths) - 1)) as measuring.pool:
+    with _workers(len(held[0]) * (len(paths) - 1)) as pool:
+        measuring = _Measuring(paths, replay, pool, _Tracker(progress, 0),
+                               sum(len(w.rank_groups) * w.passes for w in windows))
         for index, window in enumerate(windows):
             alongside: dict[int, list] = {}  # each group's first culprits, judged alone (the first pass)
             if window.passes == 2:
@@ -124,10 +124,9 @@ def _compare(path_a: str | Path, path_b: str | Path, thresholds: dict, steps: It
 class _Measuring:
     """Opens the runs at some steps and ranks, measures each rank's pair, and closes them again."""
 
-    def __init__(self, paths: list, replay: bool, tracker: _Tracker, parts: int):
-        self.paths, self.replay, self.tracker = paths, replay, tracker
+    def __init__(self, paths: list, replay: bool, pool: ProcessPoolExecutor | None, tracker: _Tracker, parts: int):
+        self.paths, self.replay, self.pool, self.tracker = paths, replay, pool, tracker
         self.parts_left = parts  # to estimate the progress's total
-        self.pool: ProcessPoolExecutor | None = None
         self.runs_reference: dict[int, Dump] | None = None
         self.checked = False
 
@@ -140,23 +139,23 @@ class _Measuring:
             for path in self.paths:
                 opened.append(open_run(path, set(steps), set(ranks)))
             runs_a, runs_b = opened[0], opened[1]
-            noise = len(opened) > 2
+            with_reference = len(opened) > 2
             if not self.checked:
                 self.checked = True
-                if noise:
+                if with_reference:
                     check_reference(runs_a, opened[2], self.paths[0], self.paths[2])
                     self.runs_reference = opened[2]
                 self.replay &= all(runs[r].mode == "tensor" for runs in (runs_a, runs_b) for r in runs)
                 if self.replay:
                     _check_replay_imports()
             pairs = [(runs_a[r], runs_b[r], self.replay) for r in sorted(runs_a)]
-            if noise:
+            if with_reference:
                 pairs += [(runs_a[r], opened[2][r], False) for r in sorted(runs_a)]
             work = sum(_work(a, b, replay) for a, b, replay in pairs)
             self.tracker.total = self.tracker.done + work * self.parts_left  # the parts left taken alike
             self.parts_left -= 1
             parts = _compare_pairs(pairs, set(steps), self.tracker, self.pool)
-            reference = Table.concat([p[0] for p in parts[len(runs_a):]]) if noise else None
+            reference = Table.concat([p[0] for p in parts[len(runs_a):]]) if with_reference else None
             for runs in opened:
                 _keep_judged_columns(runs)
             yield parts[:len(runs_a)], runs_a, runs_b, reference
@@ -200,18 +199,19 @@ def _windows(path_a: str | Path, held_a: dict[int, dict[int, int | None]], steps
         first = min(step for ranks in held_a.values() for step in ranks)
         counts = dict.fromkeys(steps, {rank: _records(path_a, first, rank) for rank in held_a})
     windows: list[Window] = []
-    held = 0  # records in the last window
+    whole: dict[int, int] = {}  # steps judged with every rank since the last one split, their records
+
+    def add_whole() -> None:
+        windows.extend(Window(packed, [sorted(held_a)]) for packed in _packed(whole))
+        whole.clear()
+
     for step in steps:
-        total = sum(counts[step].values())
-        if total > ROWS_PER_WINDOW and len(counts[step]) > 1:
-            windows.append(Window([step], _rank_groups(counts[step])))
-            held = ROWS_PER_WINDOW  # the next step starts a window
-            continue
-        if not windows or held + total > ROWS_PER_WINDOW:
-            windows.append(Window([], [sorted(held_a)]))
-            held = 0
-        windows[-1].steps.append(step)
-        held += total
+        if sum(counts[step].values()) > ROWS_PER_WINDOW and len(counts[step]) > 1:
+            add_whole()
+            windows.append(Window([step], _packed(counts[step])))
+        else:
+            whole[step] = sum(counts[step].values())
+    add_whole()
     return windows
 
 
@@ -224,16 +224,17 @@ def _records(path: str | Path, step: int, rank: int) -> int:
         _close(opened)
 
 
-def _rank_groups(counts: dict[int, int]) -> list[list[int]]:
-    """The ranks in order, in groups of at most ROWS_PER_WINDOW records (`counts`: each rank's)."""
+def _packed(counts: dict[int, int]) -> list[list[int]]:
+    """The keys (steps, or ranks) in order, in groups of at most ROWS_PER_WINDOW records (`counts`:
+    each key's), one key at least each."""
     groups: list[list[int]] = []
-    held = 0
-    for rank in sorted(counts):
-        if not groups or held + counts[rank] > ROWS_PER_WINDOW:
+    held = 0  # records in the last group
+    for key in sorted(counts):
+        if not groups or held + counts[key] > ROWS_PER_WINDOW:
             groups.append([])
             held = 0
-        groups[-1].append(rank)
-        held += counts[rank]
+        groups[-1].append(key)
+        held += counts[key]
     return groups
 
 

@@ -119,19 +119,21 @@ def _shared_parameters_own_readers(rows: Table, identity: np.ndarray, error: np.
     shared = gradients[counts[inverse] > 1]
     if not len(shared):
         return
-    held = isin(identity[readers], tensor[shared])
-    readers, sent = readers[held], sent[held]
-    reader_modules = rows["module"][readers].tolist()
+    reader_tensor = identity[readers]
+    reader_module = rows["module"][readers]
     norm = rows["norm_a"].astype(np.float64)
     for gradient in shared.tolist():
         module = str(rows["module"][gradient])
-        mine = np.array([identity[reader] == tensor[gradient] and (path == module or path.startswith(module + "."))
-                         for reader, path in zip(readers.tolist(), reader_modules)], bool)
-        own = norm[gradient]
+        same = np.flatnonzero(reader_tensor == tensor[gradient])
+        mine = sent[same[[path == module or path.startswith(module + ".") for path in reader_module[same].tolist()]]]
+        if not len(mine):
+            bound[gradient], readers_fail[gradient] = np.nan, False
+            continue
         with np.errstate(invalid="ignore"):
-            total = float(np.sum(np.where(norm[sent[mine]] > 0, error[sent[mine]] * norm[sent[mine]], 0.0)))
-        bound[gradient] = np.nan if not mine.any() else total / own if own > 0 else (np.inf if total > 0 else 0.0)
-        readers_fail[gradient] = bool(failing[sent[mine]].any())
+            total = float(np.sum(np.where(norm[mine] > 0, error[mine] * norm[mine], 0.0)))
+        own = norm[gradient]
+        bound[gradient] = total / own if own > 0 else (np.inf if total > 0 else 0.0)
+        readers_fail[gradient] = bool(failing[mine].any())
 
 
 def accumulated_gradient_sources(rows: Table, identity: np.ndarray, error: np.ndarray, failing: np.ndarray,
