@@ -27,7 +27,7 @@ from pi0align.compare.judging.identity import (
     requires_grad,
 )
 from pi0align.compare.judging.judge import Judgement, Position, downstream
-from pi0align.compare.judging.modules import containing, is_module_api
+from pi0align.compare.judging.modules import containing, enclosing_paths, is_module_api
 from pi0align.compare.judging.rootcause import (
     at_least,
     call_directions,
@@ -386,7 +386,7 @@ def _read_by_code_not_dumped(rows: Table, identity: np.ndarray, output: np.ndarr
     read = []
     for g in gradients.tolist():
         path = str(rows["module"][g])  # a module's own path, or the module holding an API call
-        around = _enclosing_paths(path)
+        around = enclosing_paths(path)
         returning = returned.get(int(identity[output[g]]), set()) | ({path} if module_row[g] else set())
         outer = next((p for p in around if p in returning), None)  # the outermost module that returned it
         scope = path if outer is None else outer.rpartition(".")[0] if outer else None
@@ -395,12 +395,6 @@ def _read_by_code_not_dumped(rows: Table, identity: np.ndarray, output: np.ndarr
         itself = (identity[held] == identity[g]) & (identity[g] >= 0)
         read.append(np.r_[output[g], held[(seq[held] < seq[g]) & ~made_after & ~itself]])
     return read
-
-
-def _enclosing_paths(path: str) -> list[str]:
-    """A module path and the paths above it, "" (the whole model) first."""
-    parts = path.split(".") if path else []
-    return [".".join(parts[:n]) for n in range(len(parts) + 1)]
 
 
 def _made_inside(rows: Table, call: np.ndarray, judgement: Judgement, producer: np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pi0align.compare.judging.modules import is_module_api
+from pi0align.compare.judging.modules import is_module_api, within
 from pi0align.compare.reading.records import OUTPUT_ROLES, function_names
 from pi0align.compare.table import Table, isin, key_codes, lookup
 
@@ -125,7 +125,7 @@ def _shared_parameters_own_readers(rows: Table, identity: np.ndarray, error: np.
     for gradient in shared.tolist():
         module = str(rows["module"][gradient])
         same = np.flatnonzero(reader_tensor == tensor[gradient])
-        mine = sent[same[[path == module or path.startswith(module + ".") for path in reader_module[same].tolist()]]]
+        mine = sent[same[[within(path, module) for path in reader_module[same].tolist()]]]
         if not len(mine):
             bound[gradient], readers_fail[gradient] = np.nan, False
             continue

@@ -24,6 +24,17 @@ def is_module_api(apis: np.ndarray) -> np.ndarray:
     return np.array([str(api).startswith("Module.") for api in distinct.tolist()], bool)[inverse]
 
 
+def within(path: str, module: str) -> bool:
+    """Whether the module path `path` is `module` or below it ("" is the whole model)."""
+    return module == "" or path == module or path.startswith(module + ".")
+
+
+def enclosing_paths(path: str) -> list[str]:
+    """A module path and the paths above it, "" (the whole model) first."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:n]) for n in range(len(parts) + 1)]
+
+
 def enclosing_modules(calls: Table) -> np.ndarray:
     """Per call, the innermost forward module invocation holding it (its row in `calls`; -1: none);
     per backward module call, the innermost backward module call holding it. A module's backward
@@ -45,8 +56,7 @@ def enclosing_modules(calls: Table) -> np.ndarray:
         path = paths[i]
         while open_calls:
             top = paths[open_calls[-1]]
-            inside = top == "" or path == top or path.startswith(top + ".")
-            if inside and not (module_api[i] and path == top):
+            if within(path, top) and not (module_api[i] and path == top):
                 break
             open_calls.pop()
         parent[i] = open_calls[-1] if open_calls else -1

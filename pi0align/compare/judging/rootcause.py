@@ -44,11 +44,11 @@ from pi0align.compare.judging.bounds import (
 )
 from pi0align.compare.judging.identity import RESULT_ROLES, gradient_sources, produced, requires_grad
 from pi0align.compare.judging.judge import Judgement, replay_ratio_limit
-from pi0align.compare.judging.modules import enclosing_modules, holds_calls, is_module
+from pi0align.compare.judging.modules import enclosing_modules, enclosing_paths, holds_calls, is_module
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, dtype_class, looser_classes
 from pi0align.compare.reading.records import INPUT_ROLES, OUTPUT_ROLES, subjects
 from pi0align.compare.result import CallRef, Culprit
-from pi0align.compare.table import Groups, KeyIndex, Table, gather, isin, lookup
+from pi0align.compare.table import Groups, Table, gather, isin, lookup
 
 STATS_ERRORS = ["norm_rel_err", "mean_val_rel_err", "min_rel_err", "max_val_rel_err"]
 # A norm and a mean sum a tensor's elementwise differences, so random ones (rounding's) move them
@@ -472,16 +472,12 @@ def _add_gradient_sources(calls: Table, rows: Table, identity: np.ndarray, error
 def _owning_module_calls(calls: Table, gradients: np.ndarray, backward_modules: np.ndarray) -> np.ndarray:
     """Per parameter gradient, the backward call among `backward_modules` (its index there) of the
     module owning the parameter, else of the innermost module around it that has one; -1: none."""
-    modules = KeyIndex([calls[k][backward_modules] for k in ("rank", "step", "module")])
-    owner = np.full(len(gradients), -1, np.int64)
-    path = calls["module"][gradients].astype(object)
-    pending = np.ones(len(gradients), bool)
-    while pending.any():
-        at = np.flatnonzero(pending)
-        owner[at] = modules.rows([calls["rank"][gradients[at]], calls["step"][gradients[at]], path[at]])
-        pending[at] = (owner[at] < 0) & (path[at] != "")
-        path[at] = [module.rpartition(".")[0] for module in path[at].tolist()]
-    return owner
+    keys = zip(*(calls[k][backward_modules].tolist() for k in ("rank", "step", "module")))
+    call_of = {key: i for i, key in reversed(list(enumerate(keys)))}  # the first call of a module
+    rank, step, module = (calls[k][gradients].tolist() for k in ("rank", "step", "module"))
+    return np.array([next((call_of[key] for path in reversed(enclosing_paths(str(m)))
+                           if (key := (r, s, path)) in call_of), -1)
+                     for r, s, m in zip(rank, step, module)], np.int64)
 
 
 def _reduction_conditions(calls: Table, rows: Table, gradients: np.ndarray, owners: np.ndarray) -> np.ndarray:
