@@ -4,6 +4,7 @@ statistics and checksums equal to those of the real tensors."""
 
 from __future__ import annotations
 
+import collections
 import gc
 import json
 import weakref
@@ -205,6 +206,14 @@ def test_include_and_exclude_patterns_select_records_by_name(tmp_path, backend):
     names = set(read_step(tmp_path / "dump.h5", 0)["calls"]["name"])
     assert names == {"block.proj/Functional.linear#0", "block.proj/Functional.linear#1",
                      "block.proj.weight/Parameter#0", "block.proj.bias/Parameter#0"}
+
+
+def test_calls_of_a_module_named_beyond_ascii_are_named_as_written(tmp_path, backend):
+    torch.manual_seed(1)
+    net = torch.nn.Sequential(collections.OrderedDict([("крыло", torch.nn.Linear(4, 4)), ("tail", torch.nn.Tanh())]))
+    train_steps(net, [torch.randn(3, 4)], Dumper(tmp_path, steps=[0], level="mix", backend=backend))
+    names = set(read_step(tmp_path / "dump.h5", 0)["calls"]["name"])
+    assert {"крыло/Module.Linear#0", "крыло/Functional.linear#0", "tail/Torch.tanh#0"} <= names
 
 
 def test_stop_removes_everything_and_steps_not_chosen_install_nothing(tmp_path, backend):

@@ -13,8 +13,9 @@ import torch
 
 from pi0align import Dumper
 from pi0align.dump import dump_file
-from pi0align.dump.file_format import CALL_TYPES, RECORD_TYPES, StepTables
+from pi0align.dump.captured_step import CAPTURED_CALL_COLUMNS, CapturedStep
 from pi0align.dump.native_backend import NativeBackend
+from pi0align.dump.sample_rows import PositionTable, SampleRows
 from pi0align.dump.writer import DumpWriter
 from pi0align.dump.writer_process import NICENESS
 
@@ -70,17 +71,26 @@ def test_a_step_of_many_tensors_larger_than_the_ring_comes_back_exact(tmp_path, 
             assert np.array_equal(f[path.removeprefix("tensors/")][()], tensor.numpy())
 
 
-def _tables(step: int, rows: int, sample_size: int) -> StepTables:
+def _captured(step: int, rows: int, sample_size: int, first_position: int) -> CapturedStep:
+    """A step of `rows` calls with two records each in shuffled order (some dropped), and a sample
+    of each record whose positions are new rows of the positions table from `first_position`."""
     generator = np.random.default_rng(step)
-
-    def column(dtype, name):
-        if dtype is CALL_TYPES["name"]:  # a str column
-            return np.array([f"{name} {step} {i}" for i in range(rows)], dtype=object)
-        return generator.integers(-9, 9, rows).astype(dtype) if np.dtype(dtype).kind == "i" else generator.random(rows)
-
-    return StepTables(step, {c: column(t, c) for c, t in CALL_TYPES.items()},
-                      {c: column(t, c) for c, t in RECORD_TYPES.items()},
-                      (generator.random((rows, sample_size)), generator.integers(0, 99, (rows, sample_size), np.int32)))
+    calls = {c: [f"{c} {step} {i}" for i in range(rows)] for c in CAPTURED_CALL_COLUMNS}
+    calls["seq"], calls["stack_id"] = list(range(rows)), generator.integers(-1, 9, rows).tolist()
+    n = 2 * rows
+    call_ids = np.where(generator.random(n) < 0.1, -1, np.repeat(np.arange(rows), 2))  # -1: dropped
+    records = {"call_id": call_ids[generator.permutation(n)],
+               "role": generator.choice(["input", "output", "grad_input"], n).tolist(),
+               "arg_index": generator.integers(0, 3, n).astype(np.int32), "numel": generator.integers(1, 99, n),
+               "slot": generator.integers(-1, n, n), "sample_row": np.arange(n)}
+    for column in ("dtype", "shape", "tensor", "skipped"):
+        records[column] = [f"{column} {step} {i}" for i in range(n)]
+    samples = SampleRows(values=generator.random((n + 1, sample_size)), rows=np.arange(n),
+                         counts=generator.integers(0, sample_size + 1, n).astype(np.int32),
+                         position_rows=np.arange(first_position, first_position + n + 1),
+                         new_positions=generator.integers(0, 99, (n + 1, sample_size)).astype(np.int32),
+                         first_new=first_position, wide=False)
+    return CapturedStep(step, calls, records, generator.random((n, 4)), generator.integers(-9, 9, (n, 3)), samples)
 
 
 @pytest.mark.timeout(120)
@@ -89,21 +99,30 @@ def test_steps_handed_over_through_a_small_ring_come_back_exact(tmp_path):
     they would take over half of it."""
     dump_file.create(tmp_path / "dump.h5", {}, {})
     writer = DumpWriter(tmp_path / "dump.h5", ring_bytes=1 << 16)
-    steps = [_tables(step, rows=100, sample_size=4 if step % 3 else 64) for step in range(8)]
-    for tables in steps:
-        writer.end_step(tables, [(tables.step, f"frames {tables.step}")], [(tables.step, 1.0, 2.0, 3.0)], None)
+    steps, first_position = [], 0
+    for step in range(8):
+        steps.append(_captured(step, rows=20 if step % 3 else 100, sample_size=8, first_position=first_position))
+        first_position += len(steps[-1].samples.new_positions)
+    for captured in steps:
+        writer.end_step(captured, [(captured.step, f"frames {captured.step}")], [(captured.step, 1.0, 2.0, 3.0)], None)
     writer.close()
+    positions, expected = PositionTable(), []
+    for captured in steps:
+        tables, samples = captured.tables()
+        tables.samples = positions.ordered(samples)
+        expected.append(tables)
     with h5py.File(tmp_path / "dump.h5", "r") as f:
         assert list(f["stacks/frames"].asstr()) == [f"frames {s}" for s in range(8)]
-        for tables in steps:
+        for tables in expected:
             group = f[f"steps/{tables.step:06d}"]
             assert group.attrs["complete"] and group.attrs["loss"] == 1.0
             for table, columns in (("calls", tables.calls), ("records", tables.records)):
                 for name, values in columns.items():
                     stored = group[table][name]
                     stored = stored.asstr()[()] if h5py.check_string_dtype(stored.dtype) else stored[()]
-                    assert np.array_equal(stored, values), (tables.step, table, name)
-            assert np.array_equal(group["samples/values"][()], tables.samples[0])
+                    floats = values.dtype.kind == "f"  # statistics of records with none are NaN
+                    assert np.array_equal(stored, values, equal_nan=floats), (tables.step, table, name)
+            assert np.array_equal(group["samples/values"][()], tables.samples[0], equal_nan=True)
             assert np.array_equal(group["samples/positions"][()], tables.samples[1])
 
 

@@ -53,9 +53,9 @@ class StepRecords(Protocol):
     def close(self) -> None:
         """The step has ended: gradients arriving later are not recorded."""
 
-    def columns(self) -> dict[str, np.ndarray]:
-        """steplog.CAPTURED_RECORD_COLUMNS, plus `slot` (of the statistics, -1: none) and `sample_row`, dropped rows
-        included."""
+    def columns(self) -> dict[str, np.ndarray | list]:
+        """captured_step.CAPTURED_RECORD_COLUMNS, plus `slot` (of the statistics, -1: none) and
+        `sample_row`, dropped rows included; arrays, or lists of str."""
 
     def statistics(self) -> tuple[np.ndarray, np.ndarray]:
         """Per slot, (float64 [n, 4] min, max, mean, norm; int64 [n, 3] NaN count, Inf count,

@@ -90,8 +90,9 @@ class Capture:
         for path, module in self._modules:
             self._wrap_forward(path, module)
         for name, _, param in self._parameters:
-            if param.requires_grad:
-                hook = self._grad_hooks.get(name) or self._grad_hooks.setdefault(name, self._grad_hook(name))
+            record_name = f"{name}/Parameter#0"
+            if param.requires_grad and self.selected(record_name):
+                hook = self._grad_hooks.get(name) or self._grad_hooks.setdefault(name, self._grad_hook(record_name))
                 self._handles.append(param.register_post_accumulate_grad_hook(hook))
         if self.level != "module":
             self._patch_npu()
@@ -349,11 +350,11 @@ class Capture:
 
     # ---- backward ------------------------------------------------------------------------------
 
-    def _grad_hook(self, name: str):
-        record_name = f"{name}/Parameter#0"
+    def _grad_hook(self, record_name: str):
+        """The hook that records a parameter's gradient once torch has accumulated it into .grad."""
 
         def hook(param: torch.nn.Parameter) -> None:
-            if self.log is None or param.grad is None or not self.selected(record_name):
+            if self.log is None or param.grad is None:
                 return
             with _quiet():
                 earlier = self._grad_rows.get(id(param))

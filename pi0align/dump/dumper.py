@@ -253,11 +253,11 @@ class Dumper:
 
     def _write(self, log: StepLog | None) -> None:
         with torch._C.DisableTorchFunction():
-            tables, samples = log.finish() if log is not None else (None, None)
+            captured = log.finish() if log is not None else None
         stacks = self._capture.stacks.take_new() if self._capture is not None else []
         metrics, self._metrics = self._metrics, []
         tensors_file, self._tensors_file = self._tensors_file, None
-        self._writer.end_step(tables, stacks, metrics, tensors_file if tables is not None else None, samples)
+        self._writer.end_step(captured, stacks, metrics, tensors_file if captured is not None else None)
 
 
 def _rank_and_world_size() -> tuple[int, int]:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pi0align.dump.stats import BatchedStatistics, finish_statistics
-from pi0align.dump.steplog import dtype_name, object_column
+from pi0align.dump.steplog import dtype_name
 from pi0align.native import FLAGS, Extension
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
@@ -102,13 +102,12 @@ class NativeRecords:
     def close(self) -> None:
         self._module.close(self._recorder)
 
-    def columns(self) -> dict[str, np.ndarray]:
+    def columns(self) -> dict[str, np.ndarray | list]:
         call_id, arg_index, numel, slot, sample_row, *texts = self._module.columns(self._recorder)
         columns = {"call_id": np.frombuffer(call_id, np.int64), "arg_index": np.frombuffer(arg_index, np.int32),
                    "numel": np.frombuffer(numel, np.int64), "slot": np.frombuffer(slot, np.int64),
                    "sample_row": np.frombuffer(sample_row, np.int64)}
-        for column, values in zip(("role", "dtype", "shape", "tensor", "skipped"), texts):
-            columns[column] = object_column(values)
+        columns.update(zip(("role", "dtype", "shape", "tensor", "skipped"), texts))  # lists of str
         return columns
 
     def statistics(self) -> tuple[np.ndarray, np.ndarray]:

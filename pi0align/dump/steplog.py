@@ -9,13 +9,7 @@ from fnmatch import fnmatchcase
 
 import numpy as np
 
-from pi0align.dump.file_format import StepTables
-from pi0align.dump.sample_rows import SampleRows
-
-# Columns kept as a step runs; the rest of the format's (file_format.py) are derived at its end.
-CAPTURED_CALL_COLUMNS = ("seq", "name", "module", "api", "direction", "stack_id", "args")
-CAPTURED_RECORD_COLUMNS = ("call_id", "role", "arg_index", "dtype", "shape", "numel", "tensor", "skipped")
-_ROLE_ORDER = {"input": 0, "output": 1, "grad_output": 2, "grad_input": 3, "parameter": 4, "parameter_grad": 5}
+from pi0align.dump.captured_step import CAPTURED_CALL_COLUMNS, CapturedStep
 
 
 class Filter:
@@ -101,30 +95,13 @@ class StepLog:
         """Where the gradients of one forward call go; its backward row opens when the first arrives."""
         return self.records.grad_sink(name, forward_id, self.open_backward)
 
-    def finish(self) -> tuple[StepTables, SampleRows | None]:
-        """Read the statistics back (one copy per device) and build the tables; in sample mode,
-        also the samples, for the writer process to put in the records' order."""
-        calls = {column: object_column(values) for column, values in self.calls.items()}
-        calls["call_id"] = np.arange(self.call_count, dtype=np.int32)
+    def finish(self) -> CapturedStep:
+        """What the step captured, its statistics read back (one copy per device) and, in sample
+        mode, its samples: for the writer process to make the step's tables of."""
         columns = self.records.columns()
-        kept = columns["call_id"] >= 0
-        columns = {c: v[kept] for c, v in columns.items()}
-        roles = np.array([_ROLE_ORDER[r] for r in columns["role"]], dtype=np.int64)
-        order = np.lexsort((columns["arg_index"], roles, columns["call_id"]))
-        records = {c: columns[c][order] for c in CAPTURED_RECORD_COLUMNS}
         floats, ints = self.records.statistics()
-        slots = columns["slot"][order]
-        has = slots >= 0
-        for j, column in enumerate(("min", "max", "mean", "norm")):
-            records[column] = np.where(has, floats[slots, j] if len(floats) else np.nan, np.nan)
-        for j, column in enumerate(("nan_count", "inf_count", "checksum")):
-            records[column] = np.where(has, ints[slots, j] if len(ints) else 0, 0)
-        samples = None
-        records["sample_count"] = np.zeros(len(order), dtype=np.int32)
-        if self.sampler is not None:
-            samples = self.sampler.collect(columns["sample_row"][order])
-            records["sample_count"] = samples.counts
-        return StepTables(self.step, calls, records, None), samples
+        samples = self.sampler.collect(np.asarray(columns["sample_row"])) if self.sampler is not None else None
+        return CapturedStep(self.step, self.calls, columns, floats, ints, samples)
 
 
 @functools.cache
@@ -132,11 +109,3 @@ def dtype_name(dtype) -> str:
     """A torch dtype as the records name it: `float32`, `bfloat16`, …"""
     return str(dtype).removeprefix("torch.")
 
-
-def object_column(column) -> np.ndarray:
-    """A column as an array: str columns as object arrays (what the writer stores; a numpy
-    unicode array would cost a conversion each way; `fromiter`, which does not look into each str
-    for a sequence as `np.array` does, takes a quarter less)."""
-    if len(column) and isinstance(column[0], str):
-        return np.fromiter(column, dtype=object, count=len(column))
-    return np.array(column)

@@ -13,9 +13,10 @@ import torch
 
 from pi0align.dump import backward
 from pi0align.dump.arguments import describe_arguments, tensors_of
+from pi0align.dump.captured_step import CAPTURED_RECORD_COLUMNS, object_column
 from pi0align.dump.stacks import call_site
 from pi0align.dump.stats import BatchedStatistics, finish_statistics, skip_reason
-from pi0align.dump.steplog import CAPTURED_RECORD_COLUMNS, dtype_name, object_column
+from pi0align.dump.steplog import dtype_name
 
 
 class TorchBackend:

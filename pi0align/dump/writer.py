@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pi0align.dump.file_format import StepTables, tensors_file
-from pi0align.dump.sample_rows import SampleRows
+from pi0align.dump.captured_step import CapturedStep
+from pi0align.dump.file_format import tensors_file
 
 TENSOR_RING_BYTES = 1 << 30  # tensors in flight to the writer process; a full ring makes the training wait
 STEP_RING_BYTES = 1 << 26  # the steps' numeric columns in flight (stats and sample modes)
@@ -119,17 +119,16 @@ class DumpWriter:
             self._send()
         return f"tensors/{name}"
 
-    def end_step(self, tables: StepTables | None, stacks: list[tuple[int, str]], metrics: list[tuple],
-                 tensors_file: str | None, samples: SampleRows | None = None) -> None:
-        """Close the step's tensor file, if one is open, and hand over `dump_file.append(...)` of
-        these, with `tables.samples` from `samples` (put in order by the writer process); raise an
-        earlier failure."""
+    def end_step(self, captured: CapturedStep | None, stacks: list[tuple[int, str]], metrics: list[tuple],
+                 tensors_file: str | None) -> None:
+        """Close the step's tensor file, if one is open, and hand over the step, for the writer
+        process to append `dump_file.append(...)` of its tables and these; raise an earlier failure."""
         if self._tensor_step_open:
             self._commands.append(("close",))
             self._tensor_step_open = False
-        if not self._ended and (tables is not None or stacks or metrics):
-            self._hand_over_append({"tables": tables, "stacks": stacks, "metrics": metrics,
-                                    "tensors_file": tensors_file, "samples": samples})
+        if not self._ended and (captured is not None or stacks or metrics):
+            self._hand_over_append({"captured": captured, "stacks": stacks, "metrics": metrics,
+                                    "tensors_file": tensors_file})
         self._send(copied=True)
         self._raise_error()
 

@@ -15,12 +15,13 @@ Commands arrive on stdin as pickled lists; answers leave on stdout, pickled:
                                           (an array), end None
   ("close",)                              finish the step's tensor file and rename it to `path`
   ("append", pickled, [(offset, nbytes)], end)
-                                          `dump_file.append(DUMP, **arguments)`, the arguments
-                                          pickled (protocol 5): the bytes, or their (offset,
-                                          nbytes) in the ring, with their out-of-band buffers in
-                                          the ring at these places; `end` as for "write"; the
-                                          argument `samples` (sample_rows.SampleRows, or None)
-                                          becomes the tables' samples, in the records' order
+                                          `dump_file.append(DUMP, tables, **arguments)`, the
+                                          arguments pickled (protocol 5): the bytes, or their
+                                          (offset, nbytes) in the ring, with their out-of-band
+                                          buffers in the ring at these places; `end` as for
+                                          "write"; `tables` made of the argument `captured`
+                                          (captured_step.CapturedStep, or None), its samples in
+                                          the records' order
   ("sync",)                               answered ("synced",) once everything before it is done
 An error answers ("error", message); a failed tensor file skips the rest of its step. At the end
 of stdin (the training process ended, even killed), queued work is finished; an unclosed step's
@@ -99,10 +100,11 @@ class _Store:
             offset, nbytes = pickled
             pickled = ring[offset:offset + nbytes]
         arguments = pickle.loads(pickled, buffers=[ring[offset:offset + nbytes] for offset, nbytes in places])
-        samples = arguments.pop("samples")
+        captured = arguments.pop("captured")
+        tables, samples = captured.tables() if captured is not None else (None, None)
         if samples is not None:
-            arguments["tables"].samples = self.positions.ordered(samples)
-        dump_file.append(self.dump, **arguments)
+            tables.samples = self.positions.ordered(samples)
+        dump_file.append(self.dump, tables, **arguments)
 
     def discard(self) -> None:
         """Close and delete an unfinished step's tensor file (its first error is the one reported)."""

@@ -11,6 +11,8 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <charconv>
+#include <cstring>
 #include <memory>
 #include <utility>
 
@@ -61,6 +63,24 @@ struct Owned {
   explicit operator bool() const { return object != nullptr; }
 };
 
+// `module/api#k`, a call's name (naming.py's next_name), written directly where both texts are
+// ASCII: PyUnicode_FromFormat's printf of the number was a third of a call's naming.
+PyObject* call_name(PyObject* module, PyObject* api, Py_ssize_t k) {
+  if (!PyUnicode_IS_ASCII(module) || !PyUnicode_IS_ASCII(api)) return PyUnicode_FromFormat("%U/%U#%zd", module, api, k);
+  char digits[24];
+  const Py_ssize_t count = std::to_chars(digits, digits + sizeof digits, (long long)k).ptr - digits;
+  const Py_ssize_t m = PyUnicode_GET_LENGTH(module), a = PyUnicode_GET_LENGTH(api);
+  PyObject* name = PyUnicode_New(m + 1 + a + 1 + count, 127);
+  if (name == nullptr) return nullptr;
+  Py_UCS1* out = PyUnicode_1BYTE_DATA(name);
+  std::memcpy(out, PyUnicode_1BYTE_DATA(module), m);
+  out[m] = '/';
+  std::memcpy(out + m + 1, PyUnicode_1BYTE_DATA(api), a);
+  out[m + 1 + a] = '#';
+  std::memcpy(out + m + 1 + a + 1, digits, count);
+  return name;
+}
+
 // Capture._open: the call named (next_name) and its row opened; its (call id, name), or a null id
 // (no error set) when the filter leaves it out, or with a Python error set.
 std::pair<Owned, Owned> open_forward_call(PyObject* capture, bool filtered, PyObject* log, PyObject* module,
@@ -79,7 +99,7 @@ std::pair<Owned, Owned> open_forward_call(PyObject* capture, bool filtered, PyOb
   Py_ssize_t k = known != nullptr ? PyLong_AsSsize_t(known) : 0;
   Owned next(PyLong_FromSsize_t(k + 1));
   if (!next || PyDict_SetItem(counts.get(), key.get(), next.get()) < 0) return {};
-  Owned name(PyUnicode_FromFormat("%U/%U#%zd", module, api, k));
+  Owned name(call_name(module, api, k));
   if (!name) return {};
   if (filtered) {
     Owned chosen(PyObject_CallMethodOneArg(capture, names.selected, name.get()));

@@ -137,7 +137,7 @@ bool describe_items(PyObject* key, PyObject* item, bool first, std::string& out,
 
 // arguments.py's _describe, written to `out`; `tensors` counts the tensors met so far.
 bool describe(PyObject* value, std::string& out, long long& tensors) {
-  if (THPVariable_Check(value)) {
+  if (pi0align::is_tensor(value)) {
     out += "{\"tensor\":";
     append_integer(tensors++, out);
     out += '}';

@@ -123,7 +123,7 @@ PyObject* watch_tensor_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs)
   auto role = std::make_shared<PyRef>(args[1]);
   for (Py_ssize_t arg = 0; arg < PySequence_Fast_GET_SIZE(seq); ++arg) {
     PyObject* item = PySequence_Fast_GET_ITEM(seq, arg);
-    if (!THPVariable_Check(item) || !THPVariable_Unpack(item).requires_grad()) continue;
+    if (!pi0align::is_tensor(item) || !THPVariable_Unpack(item).requires_grad()) continue;
     const bool leaf = THPVariable_Unpack(item).is_leaf();  // its gradient goes on into `.grad`
     THPVariable_Unpack(item).register_hook([role, call, arg, leaf](const at::TensorBase& grad) {
       pybind11::gil_scoped_acquire gil;
@@ -174,7 +174,7 @@ PyObject* input_edges(PyObject*, PyObject* tensors) {
   Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
-    if (!THPVariable_Check(item)) continue;
+    if (!pi0align::is_tensor(item)) continue;
     const at::Tensor& tensor = THPVariable_Unpack(item);
     if (!tensor.defined() || !tensor.requires_grad()) continue;
     torch::autograd::Edge edge = torch::autograd::impl::gradient_edge(tensor);  // a leaf's: its accumulator
@@ -227,7 +227,7 @@ PyObject* watch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   for (Py_ssize_t arg = 0; arg < n; ++arg) {
     PyObject* item = PySequence_Fast_GET_ITEM(seq, arg);
-    if (!THPVariable_Check(item)) continue;
+    if (!pi0align::is_tensor(item)) continue;
     const at::Tensor& out = THPVariable_Unpack(item);
     if (!out.defined()) continue;
     NodeRef node = out.grad_fn();
@@ -309,7 +309,7 @@ at::Tensor readable(const at::Tensor& tensor, int* kind) {
 }
 
 at::Tensor readable(PyObject* object, int* kind) {
-  return THPVariable_Check(object) ? readable(THPVariable_Unpack(object), kind) : at::Tensor();
+  return pi0align::is_tensor(object) ? readable(THPVariable_Unpack(object), kind) : at::Tensor();
 }
 
 // How the kernel reads a view in place: in memory order (repeated dims outermost, then the largest
@@ -362,7 +362,7 @@ bool kernel_stats(const at::Tensor& given, double* floats, int64_t* ints, bool q
 // set_kind(tensor, kind): the kernel's kind for the tensor's dtype (native_backend.py's KINDS, one source)
 PyObject* set_kind(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!arity(nargs, 2, "set_kind(tensor, kind)")) return nullptr;
-  if (!THPVariable_Check(args[0])) return PyErr_Format(PyExc_TypeError, "set_kind(tensor, kind): not a tensor");
+  if (!pi0align::is_tensor(args[0])) return PyErr_Format(PyExc_TypeError, "set_kind(tensor, kind): not a tensor");
   long kind = PyLong_AsLong(args[1]);
   if (kind == -1 && PyErr_Occurred()) return nullptr;
   kind_of_type[(int)THPVariable_Unpack(args[0]).scalar_type()] = (int)kind;
@@ -373,7 +373,7 @@ PyObject* set_kind(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyObject* tensor_stats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (!arity(nargs, 4, "stats(tensor, floats, ints, queued)")) return nullptr;
-  if (!THPVariable_Check(args[0])) Py_RETURN_FALSE;
+  if (!pi0align::is_tensor(args[0])) Py_RETURN_FALSE;
   auto* floats = static_cast<double*>(PyLong_AsVoidPtr(args[1]));
   auto* ints = static_cast<int64_t*>(PyLong_AsVoidPtr(args[2]));
   if (PyErr_Occurred()) return nullptr;
@@ -408,7 +408,7 @@ PyObject* queue_copy(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!arity(nargs, 2, "queue_copy(tensor, address)")) return nullptr;
   void* dest = PyLong_AsVoidPtr(args[1]);
   if (PyErr_Occurred()) return nullptr;
-  if (!THPVariable_Check(args[0])) return PyLong_FromLong(0);
+  if (!pi0align::is_tensor(args[0])) return PyLong_FromLong(0);
   const at::Tensor& given = THPVariable_Unpack(args[0]);
   if (!given.device().is_cpu() || given.layout() != at::kStrided || given.is_quantized() || given.is_neg() ||
       given.is_conj())
@@ -571,7 +571,7 @@ PyObject* remember_layout(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   SampleCache* cache = sample_cache_of(args[0]);
   if (cache == nullptr) return nullptr;
-  if (!THPVariable_Check(args[1])) return PyErr_Format(PyExc_TypeError, "remember: not a tensor");
+  if (!pi0align::is_tensor(args[1])) return PyErr_Format(PyExc_TypeError, "remember: not a tensor");
   const at::Tensor& tensor = THPVariable_Unpack(args[1]);
   long arg_index = PyLong_AsLong(args[4]);
   int64_t count = PyLong_AsLongLong(args[6]);
@@ -856,7 +856,7 @@ PyObject* record_tensors(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   bool ok = true;
   for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(seq); ++i) {
     PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
-    ok = THPVariable_Check(item) && record(*r, call_id, args[2], args[3], (int32_t)(first + i), item);
+    ok = pi0align::is_tensor(item) && record(*r, call_id, args[2], args[3], (int32_t)(first + i), item);
     if (!ok && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "record takes a list of tensors");
   }
   Py_DECREF(seq);
@@ -1019,7 +1019,7 @@ PyObject* close_recorder(PyObject*, PyObject* capsule) {
 
 // Append every tensor in `value`, depth-first through tuples, lists and mappings, to `out`.
 bool flatten_into(PyObject* value, PyObject* out) {
-  if (THPVariable_Check(value)) return PyList_Append(out, value) == 0;
+  if (pi0align::is_tensor(value)) return PyList_Append(out, value) == 0;
   if (PyTuple_Check(value) || PyList_Check(value)) {
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(value); ++i)
       if (!flatten_into(PySequence_Fast_GET_ITEM(value, i), out)) return false;
