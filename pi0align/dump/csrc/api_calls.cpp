@@ -156,8 +156,8 @@ PyObject* record_call(const Handler& h, PyObject* log, PyObject* func, PyObject*
   if (depth < 0) return nullptr;
   Owned module_ref(Py_NewRef(depth ? PyList_GET_ITEM(paths.get(), depth - 1) : names.empty));
   PyObject* module = module_ref.get();
-  Owned no_kwargs(kwargs == nullptr ? PyDict_New() : nullptr);
-  PyObject* keywords = kwargs != nullptr ? kwargs : no_kwargs.get();
+  static PyObject* no_keywords = PyDict_New();  // read only: one empty dict, not one made per call
+  PyObject* keywords = kwargs != nullptr ? kwargs : no_keywords;
   if (keywords == nullptr) return nullptr;
   PyObject* both[] = {args, keywords};
   Owned inputs(pi0align::tensors_of(nullptr, both, 2));

@@ -55,6 +55,9 @@ PyObject* role_grad_input;
 // someone else holds into `.grad` instead of moving it there (PI0 small: 23 MB a step copied, and
 // the heap grown and trimmed again at each step, 5,700 page faults).
 struct Slot { uint32_t index; long arg; bool to_leaf; };
+// A call's slots: most calls have one or two outputs and inputs, held inline rather than on the
+// heap (a call's watch allocated and freed about ten small vectors).
+using Slots = c10::SmallVector<Slot, 2>;
 
 using pi0align::arity;
 
@@ -85,7 +88,7 @@ void deliver(BackwardCall& call, PyObject* role, long arg, const at::TensorBase&
 // towards the call's inputs. Changes nothing.
 class SinkHook final : public torch::autograd::FunctionPostHook {
  public:
-  SinkHook(std::shared_ptr<BackwardCall> call, std::vector<Slot> outs, std::vector<Slot> ins)
+  SinkHook(std::shared_ptr<BackwardCall> call, Slots outs, Slots ins)
       : call_(std::move(call)), outs_(std::move(outs)), ins_(std::move(ins)) {}
 
   variable_list operator()(const variable_list& grad_inputs, const variable_list& grad_outputs) override {
@@ -97,14 +100,14 @@ class SinkHook final : public torch::autograd::FunctionPostHook {
   }
 
  private:
-  void deliver_all(PyObject* role, const std::vector<Slot>& slots, const variable_list& grads) {
+  void deliver_all(PyObject* role, const Slots& slots, const variable_list& grads) {
     for (const Slot& slot : slots)
       if (slot.index < grads.size() && grads[slot.index].defined())
         deliver(*call_, role, slot.arg, grads[slot.index], slot.to_leaf);
   }
 
   std::shared_ptr<BackwardCall> call_;
-  std::vector<Slot> outs_, ins_;
+  Slots outs_, ins_;
 };
 
 }  // namespace
@@ -140,12 +143,12 @@ PyObject* watch_tensor_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs)
 namespace {
 
 // The inputs that share one gradient edge (x * x passes x twice), in argument order.
-struct Target { Node* node; uint32_t nr; std::vector<long> args; };
+struct Target { Node* node; uint32_t nr; c10::SmallVector<long, 2> args; };
 
 // The gradient edges of a call's inputs: taken before an in-place call rebases them.
 struct InputEdges {
-  std::vector<NodeRef> nodes;  // alive until the call is watched
-  std::vector<Target> targets;
+  c10::SmallVector<NodeRef, 3> nodes;  // alive until the call is watched
+  c10::SmallVector<Target, 3> targets;
 
   Target* find(const Node* node, uint32_t nr) {
     for (Target& t : targets) if (t.node == node && t.nr == nr) return &t;
@@ -198,9 +201,10 @@ PyObject* input_edges(PyObject*, PyObject* tensors) {
 
 namespace {
 
-struct Watched { NodeRef node; std::vector<Slot> outs, ins; };
+struct Watched { NodeRef node; Slots outs, ins; };
+using WatchedNodes = c10::SmallVector<Watched, 2>;
 
-Watched& watched_entry(std::vector<Watched>& watched, const NodeRef& node) {
+Watched& watched_entry(WatchedNodes& watched, const NodeRef& node) {
   for (Watched& w : watched) if (w.node == node) return w;
   return watched.emplace_back(Watched{node, {}, {}});
 }
@@ -223,7 +227,7 @@ PyObject* watch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!call) return nullptr;
   PyObject* seq = PySequence_Fast(args[0], "watch takes a list of tensors");
   if (seq == nullptr) return nullptr;
-  std::vector<Watched> watched;
+  WatchedNodes watched;
   Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   for (Py_ssize_t arg = 0; arg < n; ++arg) {
     PyObject* item = PySequence_Fast_GET_ITEM(seq, arg);
@@ -237,11 +241,11 @@ PyObject* watch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   Py_DECREF(seq);
   if (watched.empty()) Py_RETURN_NONE;
-  std::vector<const Node*> seen;
+  c10::SmallVector<const Node*, kMaxNodes + 1> seen;
   for (const Watched& w : watched) seen.push_back(w.node.get());
-  std::vector<NodeRef> frontier;
+  c10::SmallVector<NodeRef, 4> frontier;
   if (edges != nullptr) for (const Watched& w : watched) frontier.push_back(w.node);
-  std::vector<size_t> used;
+  c10::SmallVector<size_t, 4> used;
   while (!frontier.empty() && seen.size() <= kMaxNodes) {
     NodeRef node = std::move(frontier.back());
     frontier.pop_back();
@@ -266,7 +270,8 @@ PyObject* watch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   for (Watched& w : watched) {
     if (seen.size() > kMaxNodes) w.ins.clear();  // a composite: its input edges are not all found, report none
-    if (!w.outs.empty() || !w.ins.empty()) w.node->add_post_hook(std::make_unique<SinkHook>(call, w.outs, w.ins));
+    if (!w.outs.empty() || !w.ins.empty())
+      w.node->add_post_hook(std::make_unique<SinkHook>(call, std::move(w.outs), std::move(w.ins)));
   }
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
