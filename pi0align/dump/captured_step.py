@@ -25,7 +25,7 @@ class CapturedStep:
     calls: dict[str, list]  # CAPTURED_CALL_COLUMNS, one list each
     # CAPTURED_RECORD_COLUMNS, `slot` (of the statistics, -1: none) and `sample_row`, as the
     # backend took them (StepRecords.columns): dropped records (call -1) included
-    records: dict[str, np.ndarray | list]
+    records: dict[str, np.ndarray | list | tuple]
     floats: np.ndarray  # per slot: min, max, mean, norm
     ints: np.ndarray  # per slot: NaN count, Inf count, checksum
     samples: SampleRows | None  # sample mode: per record as taken

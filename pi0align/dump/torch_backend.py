@@ -13,7 +13,7 @@ import torch
 
 from pi0align.dump import backward
 from pi0align.dump.arguments import describe_arguments, tensors_of
-from pi0align.dump.captured_step import CAPTURED_RECORD_COLUMNS, object_column
+from pi0align.dump.captured_step import CAPTURED_RECORD_COLUMNS
 from pi0align.dump.stacks import call_site
 from pi0align.dump.stats import BatchedStatistics, finish_statistics, skip_reason
 from pi0align.dump.steplog import dtype_name
@@ -106,13 +106,12 @@ class TorchRecords:
     def close(self) -> None:
         self.closed = True
 
-    def columns(self) -> dict[str, np.ndarray]:
+    def columns(self) -> dict[str, np.ndarray | tuple]:
         names = (*CAPTURED_RECORD_COLUMNS, "slot", "sample_row")
-        rows = list(zip(*self._rows)) if self._rows else [()] * len(names)
-        columns = dict(zip(names, map(object_column, rows)))
+        columns = dict(zip(names, zip(*self._rows))) if self._rows else dict.fromkeys(names, ())
         for column in ("call_id", "arg_index", "numel", "slot", "sample_row"):
-            columns[column] = columns[column].astype(np.int64)
-        return columns
+            columns[column] = np.array(columns[column], dtype=np.int64)
+        return columns  # str columns as they are: the writer process makes them arrays
 
     def statistics(self) -> tuple[np.ndarray, np.ndarray]:
         n = len(self._numel)
