@@ -1,7 +1,9 @@
 """Step time of PI0 training with the dumper, as ratios to the same steps without it.
 
 Small preset, CPU (or --device), one CPU thread. Plain and dumped steps alternate in one process,
-each dumped step timed against the plain step just before it (a CPU step drifts over a long run;
+each dumped step timed against the plain step just before it, `--pairs` times a round, the round's
+ratio their median (single ratios range over ±0.15: a dumped step sometimes takes 10 % longer than
+its neighbours; a CPU step drifts over a long run;
 fixed `MALLOC_*` thresholds, set by re-executing this script, steady glibc's allocator). Variants:
 our Dumper idle (started, step not selected), stats, sample and tensor mode at level mix, and stats
 at level api (msprobe's L1 records API calls only), all without the optimizer's update, as msprobe;
@@ -16,9 +18,11 @@ dump backend issues per recorded tensor (counted by a TorchDispatchMode: the ops
 beyond those of the same step undumped; views are not counted, they launch nothing). The torch
 backend is what an accelerator runs.
 
-    .venv/bin/python bench/dump_overhead.py [--device cpu] [--preset small] [--rounds 5] [--batch-size 8] [--check]
+    .venv/bin/python bench/dump_overhead.py [--device cpu] [--preset small] [--rounds 5] [--pairs 3]
+        [--batch-size 8] [--check]
 
-Each ratio is printed with its run-to-run noise (half the range over the rounds). `--check` also
+Each ratio is the median of the rounds' ratios, printed with its run-to-run noise (half their
+range). `--check` also
 judges the goals (stats, sample and tensor at level mix ≤ 1.10×, 1.15×, 1.30×; idle ≤ 1.02×;
 device ops per recorded tensor on the torch backend ≤ 2) and exits 1 when one is missed by more
 than its noise (bench/goals.py).
@@ -91,10 +95,12 @@ def build(args, work: Path):
     return policy, optimizer, step
 
 
-def alternate(step_plain, variants: dict, rounds: int, settle: dict | None = None) -> dict[str, list[float]]:
-    """{variant: [time(variant step) / time(plain step just before)]} over `rounds` rounds.
-    `settle[name]`, untimed, runs after the variant's step: work it left behind (a writer process
-    finishing its tensors, the OS writing them to disk) must not slow down the steps timed next."""
+def alternate(step_plain, variants: dict, rounds: int, pairs: int,
+              settle: dict | None = None) -> dict[str, list[float]]:
+    """{variant: [per round, the median over `pairs` of time(variant step) / time(plain step just
+    before)]} over `rounds` rounds. `settle[name]`, untimed, runs after each of the variant's steps:
+    work it left behind (a writer process finishing its tensors, the OS writing them to disk) must
+    not slow down the steps timed next."""
     ratios = {name: [] for name in variants}
     settle = settle or {}
     step_plain()  # warm-up
@@ -103,13 +109,16 @@ def alternate(step_plain, variants: dict, rounds: int, settle: dict | None = Non
         settle.get(name, lambda: None)()
     for _ in range(rounds):
         for name, run in variants.items():
-            started = time.perf_counter()
-            step_plain()
-            plain = time.perf_counter() - started
-            started = time.perf_counter()
-            run()
-            ratios[name].append((time.perf_counter() - started) / plain)
-            settle.get(name, lambda: None)()
+            paired = []
+            for _ in range(pairs):
+                started = time.perf_counter()
+                step_plain()
+                plain = time.perf_counter() - started
+                started = time.perf_counter()
+                run()
+                paired.append((time.perf_counter() - started) / plain)
+                settle.get(name, lambda: None)()
+            ratios[name].append(statistics.median(paired))
     return ratios
 
 
@@ -143,7 +152,7 @@ def bench_ours(args, work: Path) -> list[tuple[str, list[float], float, int]]:
 
     settles = {name: functools.partial(settle, dumper) for name, dumper in dumpers.items()}
     with frozen_heap():  # as `pi0align run` steps
-        ratios = alternate(step, variants, args.rounds, settle=settles)
+        ratios = alternate(step, variants, args.rounds, args.pairs, settle=settles)
     for dumper in dumpers.values():
         dumper.__exit__(None, None, None)
     plain_time = _plain_time(step)
@@ -216,7 +225,7 @@ def bench_msprobe(args, work: Path, name: str) -> list[tuple[str, list[float], f
         count += 1
 
     with frozen_heap():
-        ratios = alternate(step, {name: run}, args.rounds)
+        ratios = alternate(step, {name: run}, args.rounds, args.pairs)
     return [(name, ratios[name], _plain_time(step), folder_bytes(out) // count)]
 
 
@@ -387,6 +396,7 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or npu")
     parser.add_argument("--preset", default="small", choices=("tiny", "small"))
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--pairs", type=int, default=3, help="plain and dumped steps timed per variant and round")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--skip-msprobe", action="store_true")
     parser.add_argument("--check", action="store_true", help="judge the goals; exit 1 when one is missed")
@@ -412,7 +422,8 @@ def main() -> int:
         if why_not is None:
             for name in MSPROBE:
                 result = subprocess.run([sys.executable, __file__, "--device", args.device, "--preset", args.preset,
-                                         "--rounds", str(args.rounds), "--batch-size", str(args.batch_size),
+                                         "--rounds", str(args.rounds), "--pairs", str(args.pairs),
+                                         "--batch-size", str(args.batch_size),
                                          "--msprobe-variant", name],
                                         capture_output=True, text=True)
                 if result.returncode == 0:
@@ -424,8 +435,8 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"preset {args.preset}, batch {args.batch_size}, {args.device}, 1 CPU thread, {args.rounds} rounds "
-          f"(median of dumped/plain step-time ratios)")
+    print(f"preset {args.preset}, batch {args.batch_size}, {args.device}, 1 CPU thread, {args.rounds} rounds of "
+          f"{args.pairs} pairs (median of the rounds' median dumped/plain step-time ratios)")
     print(f"{'variant':28s} {'ratio':>7s} {'± noise':>8s} {'plain step s':>13s} {'bytes/step':>12s}")
     judged = {name: judge(name, ratios, GOALS.get(name, Goal(float("inf")))) for name, ratios, _, _ in rows}
     for name, _, plain, size in rows:

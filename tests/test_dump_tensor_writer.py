@@ -13,7 +13,7 @@ import torch
 
 from pi0align import Dumper
 from pi0align.dump import dump_file
-from pi0align.dump.captured_step import CAPTURED_CALL_COLUMNS, CapturedStep
+from pi0align.dump.captured_step import CAPTURED_CALL_COLUMNS, CapturedStep, CodedColumn
 from pi0align.dump.native_backend import NativeBackend
 from pi0align.dump.sample_rows import PositionTable, SampleRows
 from pi0align.dump.writer import DumpWriter
@@ -83,8 +83,10 @@ def _captured(step: int, rows: int, sample_size: int, first_position: int) -> Ca
                "role": generator.choice(["input", "output", "grad_input"], n).tolist(),
                "arg_index": generator.integers(0, 3, n).astype(np.int32), "numel": generator.integers(1, 99, n),
                "slot": generator.integers(-1, n, n), "sample_row": np.arange(n)}
-    for column in ("dtype", "shape", "tensor", "skipped"):
+    for column in ("dtype", "tensor", "skipped"):
         records[column] = [f"{column} {step} {i}" for i in range(n)]
+    # coded as the native backend hands it over: record i's shape is "[i % 3]" (its dtype says i)
+    records["shape"] = CodedColumn(np.arange(n, dtype=np.int32) % 3, ["[0]", "[1]", "[2]"])
     samples = SampleRows(values=generator.random((n + 1, sample_size)), rows=np.arange(n),
                          counts=generator.integers(0, sample_size + 1, n).astype(np.int32),
                          position_rows=np.arange(first_position, first_position + n + 1),
@@ -122,6 +124,8 @@ def test_steps_handed_over_through_a_small_ring_come_back_exact(tmp_path):
                     stored = stored.asstr()[()] if h5py.check_string_dtype(stored.dtype) else stored[()]
                     floats = values.dtype.kind == "f"  # statistics of records with none are NaN
                     assert np.array_equal(stored, values, equal_nan=floats), (tables.step, table, name)
+            rows = group["records/dtype"].asstr()[()]
+            assert list(group["records/shape"].asstr()) == [f"[{int(r.split()[-1]) % 3}]" for r in rows]
             assert np.array_equal(group["samples/values"][()], tables.samples[0], equal_nan=True)
             assert np.array_equal(group["samples/positions"][()], tables.samples[1])
 

@@ -56,7 +56,7 @@ class StepRecords(Protocol):
     def columns(self) -> dict[str, np.ndarray | list | tuple]:
         """captured_step.CAPTURED_RECORD_COLUMNS, plus `slot` (of the statistics, -1: none) and
         `sample_row`, dropped rows included: the numbers as arrays, the str columns as sequences
-        (the writer process makes them arrays)."""
+        or `CodedColumn`s (the writer process makes them arrays)."""
 
     def statistics(self) -> tuple[np.ndarray, np.ndarray]:
         """Per slot, (float64 [n, 4] min, max, mean, norm; int64 [n, 3] NaN count, Inf count,

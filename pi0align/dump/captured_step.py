@@ -20,12 +20,24 @@ _ROLE_ORDER = {"input": 0, "output": 1, "grad_output": 2, "grad_input": 3, "para
 
 
 @dataclass
+class CodedColumn:
+    """A str column as the index of each row's value in a list of its distinct values: a step's
+    records share a few roles, dtypes and shapes, each a str to pickle when listed per row."""
+
+    codes: np.ndarray  # int32, one per row
+    values: list[str]
+
+    def array(self) -> np.ndarray:
+        return np.fromiter(self.values, dtype=object, count=len(self.values))[self.codes]
+
+
+@dataclass
 class CapturedStep:
     step: int
     calls: dict[str, list]  # CAPTURED_CALL_COLUMNS, one list each
     # CAPTURED_RECORD_COLUMNS, `slot` (of the statistics, -1: none) and `sample_row`, as the
     # backend took them (StepRecords.columns): dropped records (call -1) included
-    records: dict[str, np.ndarray | list | tuple]
+    records: dict[str, np.ndarray | list | tuple | CodedColumn]
     floats: np.ndarray  # per slot: min, max, mean, norm
     ints: np.ndarray  # per slot: NaN count, Inf count, checksum
     samples: SampleRows | None  # sample mode: per record as taken
@@ -61,6 +73,8 @@ def object_column(column) -> np.ndarray:
     not look into each str for a sequence as `np.array` does, takes a quarter less)."""
     if isinstance(column, np.ndarray):
         return column
+    if isinstance(column, CodedColumn):
+        return column.array()
     if len(column) and isinstance(column[0], str):
         return np.fromiter(column, dtype=object, count=len(column))
     return np.array(column)

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pi0align.dump.captured_step import CodedColumn
 from pi0align.dump.stats import BatchedStatistics, finish_statistics
 from pi0align.dump.steplog import dtype_name
 from pi0align.native import FLAGS, Extension
@@ -102,12 +103,13 @@ class NativeRecords:
     def close(self) -> None:
         self._module.close(self._recorder)
 
-    def columns(self) -> dict[str, np.ndarray | list]:
+    def columns(self) -> dict[str, np.ndarray | CodedColumn]:
         call_id, arg_index, numel, slot, sample_row, *texts = self._module.columns(self._recorder)
         columns = {"call_id": np.frombuffer(call_id, np.int64), "arg_index": np.frombuffer(arg_index, np.int32),
                    "numel": np.frombuffer(numel, np.int64), "slot": np.frombuffer(slot, np.int64),
                    "sample_row": np.frombuffer(sample_row, np.int64)}
-        columns.update(zip(("role", "dtype", "shape", "tensor", "skipped"), texts))  # lists of str
+        columns.update((name, CodedColumn(np.frombuffer(codes, np.int32), values))
+                       for name, (codes, values) in zip(("role", "dtype", "shape", "tensor", "skipped"), texts))
         return columns
 
     def statistics(self) -> tuple[np.ndarray, np.ndarray]:

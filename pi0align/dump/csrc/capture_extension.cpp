@@ -30,6 +30,7 @@
 #include <iterator>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -889,50 +890,52 @@ PyObject* as_bytes(const std::vector<T>& values) {
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));
 }
 
-PyObject* as_list(const std::vector<PyObject*>& texts) {
-  PyObject* list = PyList_New((Py_ssize_t)texts.size());
-  for (size_t i = 0; list != nullptr && i < texts.size(); ++i) PyList_SET_ITEM(list, i, Py_NewRef(texts[i]));
-  return list;
+// A str column as (codes as int32 bytes, its distinct values as a list), the values told apart by
+// identity: a step's records (PI0 small: 4,000) share a few roles, dtypes and reasons, each a str
+// to hand to the writer process (captured_step.CodedColumn).
+PyObject* coded(const std::vector<PyObject*>& texts) {
+  ska::flat_hash_map<PyObject*, int32_t> codes;
+  std::vector<int32_t> column(texts.size());
+  PyObject* values = PyList_New(0);
+  for (size_t i = 0; values != nullptr && i < texts.size(); ++i) {
+    auto [at, added] = codes.emplace(texts[i], (int32_t)codes.size());
+    if (added && PyList_Append(values, texts[i]) < 0) Py_CLEAR(values);
+    column[i] = at->second;
+  }
+  return values == nullptr ? nullptr : Py_BuildValue("(NN)", as_bytes(column), values);
 }
 
-// A shape's text ("[8, 816, 1024]"), a new reference to one str per distinct shape: a model has a
-// few hundred, and a step thousands of records (PI0 small: 4,000), each a str to make and pickle
-// for the writer process (torch_backend.py's _shape_json, cached alike).
-PyObject* shape_text(const std::string& text) {
-  static auto& known = *new std::unordered_map<std::string, PyObject*>();  // never freed at exit
-  auto found = known.find(text);
-  if (found != known.end()) return Py_NewRef(found->second);
-  PyObject* shape = PyUnicode_FromStringAndSize(text.data(), (Py_ssize_t)text.size());
-  if (shape == nullptr) return nullptr;
-  if (known.size() >= 65536) {  // shapes that keep changing (a growing sequence): start again
-    for (auto& entry : known) Py_DECREF(entry.second);
-    known.clear();
+// The shapes as a coded column, its values the texts ("[8, 816, 1024]") of the distinct shapes
+// (torch_backend.py's _shape_json): a step has a few hundred.
+PyObject* coded_shapes(const Recorder& r) {
+  std::unordered_map<std::string_view, int32_t> codes;  // over the bytes of a record's dims
+  std::vector<int32_t> column(r.shape_end.size());
+  PyObject* values = PyList_New(0);
+  std::string text;
+  for (size_t i = 0, start = 0; values != nullptr && i < r.shape_end.size(); start = r.shape_end[i++]) {
+    std::string_view dims(reinterpret_cast<const char*>(r.dims.data() + start),
+                          (r.shape_end[i] - start) * sizeof(int64_t));
+    auto [at, added] = codes.try_emplace(dims, (int32_t)codes.size());
+    column[i] = at->second;
+    if (!added) continue;
+    text = "[";
+    for (size_t d = start; d < (size_t)r.shape_end[i]; ++d) text += (d > start ? ", " : "") + std::to_string(r.dims[d]);
+    text += "]";
+    PyObject* shape = PyUnicode_FromStringAndSize(text.data(), (Py_ssize_t)text.size());
+    if (shape == nullptr || PyList_Append(values, shape) < 0) Py_CLEAR(values);
+    Py_XDECREF(shape);
   }
-  known.emplace(text, Py_NewRef(shape));
-  return shape;
+  return values == nullptr ? nullptr : Py_BuildValue("(NN)", as_bytes(column), values);
 }
 
 // columns(recorder) -> (call_id, arg_index, numel, slot, sample_row as int64/int32/... bytes;
-// role, dtype, shape, tensor, skipped as lists of str)
+// role, dtype, shape, tensor, skipped as coded columns)
 PyObject* columns(PyObject*, PyObject* capsule) {
   Recorder* r = recorder_of(capsule);
   if (r == nullptr) return nullptr;
-  PyObject* shapes = PyList_New((Py_ssize_t)r->shape_end.size());
-  std::string text;
-  for (size_t i = 0, start = 0; shapes != nullptr && i < r->shape_end.size(); start = r->shape_end[i++]) {
-    text = "[";
-    for (size_t d = start; d < (size_t)r->shape_end[i]; ++d) {
-      text += (d > start ? ", " : "") + std::to_string(r->dims[d]);
-    }
-    text += "]";
-    PyObject* shape = shape_text(text);
-    if (shape == nullptr) Py_CLEAR(shapes);
-    else PyList_SET_ITEM(shapes, i, shape);
-  }
-  if (shapes == nullptr) return nullptr;
   return Py_BuildValue("(NNNNNNNNNN)", as_bytes(r->call_id), as_bytes(r->arg_index), as_bytes(r->numel),
-                       as_bytes(r->slot), as_bytes(r->sample_row), as_list(r->role), as_list(r->dtype), shapes,
-                       as_list(r->path), as_list(r->skipped));
+                       as_bytes(r->slot), as_bytes(r->sample_row), coded(r->role), coded(r->dtype), coded_shapes(*r),
+                       coded(r->path), coded(r->skipped));
 }
 
 // statistics(recorder) -> (float64 [slots, 4], int64 [slots, 3], int64 numel [slots]) as bytes,
