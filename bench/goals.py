@@ -37,7 +37,7 @@ def print_check(judged: list[Judged]) -> int:
     print(f"{'goal':<44} {'median':>9} {'± noise':>9} {'limit':>10}  result")
     for j in judged:
         sign = "≥" if j.goal.higher_is_better else "≤"
-        print(f"{j.name:<44} {j.median:>8.2f}{j.goal.unit} {j.noise:>8.2f}{j.goal.unit} "
+        print(f"{j.name:<44} {j.median:>8.3f}{j.goal.unit} {j.noise:>8.3f}{j.goal.unit} "
               f"{sign}{j.goal.limit:>8.2f}{j.goal.unit}  {'met' if j else 'MISSED'}")
     missed = [j.name for j in judged if not j]
     print("every goal met" if not missed else f"missed: {', '.join(missed)}")
