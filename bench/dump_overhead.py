@@ -3,8 +3,8 @@
 Small preset, CPU (or --device), one CPU thread. Plain and dumped steps alternate in one process,
 each dumped step timed against the plain step just before it, `--pairs` times a round, the round's
 ratio their median (single ratios range over ±0.15: a dumped step sometimes takes 10 % longer than
-its neighbours; a CPU step drifts over a long run;
-fixed `MALLOC_*` thresholds, set by re-executing this script, steady glibc's allocator). Variants:
+its neighbours; a CPU step drifts over a long run; fixed `MALLOC_*` thresholds, set by re-executing
+this script, steady glibc's allocator). Variants:
 our Dumper idle (started, step not selected), stats, sample and tensor mode at level mix, and stats
 at level api (msprobe's L1 records API calls only), all without the optimizer's update, as msprobe;
 and stats with it, as `pi0align run --dump-steps` records it (`start(policy, optimizer=...)`). Every
@@ -22,10 +22,9 @@ backend is what an accelerator runs.
         [--batch-size 8] [--check]
 
 Each ratio is the median of the rounds' ratios, printed with its run-to-run noise (half their
-range). `--check` also
-judges the goals (stats, sample and tensor at level mix ≤ 1.10×, 1.15×, 1.30×; idle ≤ 1.02×;
-device ops per recorded tensor on the torch backend ≤ 2) and exits 1 when one is missed by more
-than its noise (bench/goals.py).
+range). `--check` also judges the goals (stats, sample and tensor at level mix ≤ 1.10×, 1.15×,
+1.30×; idle ≤ 1.02×; device ops per recorded tensor on the torch backend ≤ 2) and exits 1 when one
+is missed by more than its noise (bench/goals.py).
 """
 
 from __future__ import annotations
