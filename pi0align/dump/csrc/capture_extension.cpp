@@ -657,7 +657,7 @@ struct Seen {
 
 struct Recorder {
   bool queued = false;
-  int64_t last_job = 0;  // the queue's count of calls once its last statistics were queued (0: none)
+  bool queued_any = false;  // it queued statistics: their calls must have run before it is freed
   bool closed = false;  // the step has ended: gradients arriving later (a graph kept past it) are not its
   PyObject* fallback = nullptr;  // fallback(tensor, slot): statistics the kernel does not compute
   PyObject* sink = nullptr;  // sink(tensor, now) -> its stored path (tensor mode), or None
@@ -708,9 +708,7 @@ void free_recorder(PyObject* capsule) {
   // Its queued calls done: none writes into its blocks once freed (a caller that waits runs queued
   // calls beside the worker, so the queue's order alone does not say so). A step started but not
   // run (`stop()` after `step()`) queued none, and need not wait for the calls of earlier steps.
-  int64_t finished = 0;
-  pi0align_finished(&finished);
-  if (recorder->last_job > finished) pi0align_wait();
+  if (recorder->queued_any) pi0align_wait();
   recorder->release_python();
   pi0align_queue_call(delete_recorder, recorder);
   keep(at::Tensor());  // keep()'s count: one kept tensor per queued call, none read here
@@ -787,7 +785,7 @@ bool record(Recorder& r, int64_t call_id, PyObject* name, PyObject* role, int32_
       slot = r.new_slot(tensor.numel());
       const bool queued = r.queued && !now;
       if (kernel_stats(tensor, r.floats_of(slot), r.ints_of(slot), queued)) {
-        if (queued) r.last_job = released + (int64_t)kept.size();  // each queued call keeps one tensor
+        r.queued_any = r.queued_any || queued;
       } else {
         PyObject* at = PyLong_FromLongLong(slot);
         PyObject* done = at ? PyObject_CallFunctionObjArgs(r.fallback, object, at, nullptr) : nullptr;
