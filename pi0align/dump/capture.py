@@ -86,8 +86,11 @@ class Capture:
             self._parameters = [(name, name.rpartition(".")[0], param)
                                 for name, param in (model.named_parameters() if model is not None else ())]
             self._parameter_names = {id(param): (name, module) for name, module, param in self._parameters}
-            self._grad_hooks = [(param, self._grad_hook(f"{name}/Parameter#0")) for name, _, param in self._parameters
-                                if self.selected(f"{name}/Parameter#0")]
+            self._grad_hooks = []
+            for name, _, param in self._parameters:
+                record_name = f"{name}/Parameter#0"
+                if self.selected(record_name):
+                    self._grad_hooks.append((param, self._grad_hook(record_name)))
         if optimizer is not None:
             self._optimizer = OptimizerRecorder(optimizer, lambda: self.log, self._optimized_name, self.selected)
         for path, module in self._modules:

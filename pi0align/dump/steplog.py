@@ -7,8 +7,6 @@ import functools
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
-import numpy as np
-
 from pi0align.dump.captured_step import CAPTURED_CALL_COLUMNS, CapturedStep
 
 
@@ -100,7 +98,7 @@ class StepLog:
         mode, its samples: for the writer process to make the step's tables of."""
         columns = self.records.columns()
         floats, ints = self.records.statistics()
-        samples = self.sampler.collect(np.asarray(columns["sample_row"])) if self.sampler is not None else None
+        samples = self.sampler.collect(columns["sample_row"]) if self.sampler is not None else None
         return CapturedStep(self.step, self.calls, columns, floats, ints, samples)
 
 
