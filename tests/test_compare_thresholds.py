@@ -50,6 +50,14 @@ def test_bad_thresholds_are_one_line_errors(tmp_path, content, overrides, messag
         parse_overrides(["fp32.rel_l2_err"])
 
 
+@pytest.mark.parametrize("name, content", [("t.toml", b"[float16\n"), ("t.json", b"\xff\xfe{}")])
+def test_unparsable_thresholds_files_are_one_line_errors(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_bytes(content)  # broken TOML; bytes that are not UTF-8
+    with pytest.raises(UserError, match="not a valid thresholds file"):
+        load_thresholds(path)
+
+
 def test_calibration_from_two_noisy_runs(tmp_path):
     a1 = write_dump(tmp_path / "a1.h5", run_toy_model(steps=2, noise=3e-6, noise_seed=1), mode="sample")
     a2 = write_dump(tmp_path / "a2.h5", run_toy_model(steps=2, noise=3e-6, noise_seed=2), mode="sample")

@@ -5,7 +5,6 @@ msprobe dumps reads it), nor the rest of pi0align."""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +59,8 @@ def sample_positions(name: str, role: str, arg_index: int, shape: tuple[int, ...
     numel = int(np.prod(shape, dtype=np.int64))
     if numel <= size:
         return np.arange(numel, dtype=np.int64)
+    import hashlib  # here: a compare of statistics never samples and does not pay for OpenSSL's load
+
     key = f"{name}|{role}|{arg_index}|{list(shape)}".encode()
     seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
     return np.sort(np.random.default_rng(seed).choice(numel, size=size, replace=False)).astype(np.int64)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -107,10 +106,15 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
 def _read_file(path: Path) -> dict:
     try:
         text = path.read_text(encoding="utf-8")
-        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        if path.suffix == ".toml":
+            import tomllib  # here: a compare without a TOML file does not pay its import
+
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
     except OSError as error:
         raise UserError(f"{path}: cannot read thresholds ({error.strerror})") from None
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as error:
+    except ValueError as error:  # a JSON, TOML or UTF-8 decoding error
         raise UserError(f"{path}: not a valid thresholds file ({error})") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: thresholds must be an object {{dtype: {{metric: value}}}}")

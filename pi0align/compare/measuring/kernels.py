@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 from pi0align.compare.reading.records import Bfloat16Array
-from pi0align.native import Library
 
 FIELDS = ("ab", "aa", "bb", "dd", "rel", "w1", "w5", "n", "mismatch", "max_abs", "max_rel", "max_row_rel")
 SUMMED = 9  # FIELDS[:SUMMED] add up across chunks; the rest are maxima
@@ -100,6 +99,8 @@ class NumpyLoops:
 @functools.cache
 def comparison_loops() -> CompiledLoops | NumpyLoops:
     """The compiled loops where they build (once per process), else numpy's."""
+    from pi0align.native import Library  # here: its build tools are not imported by a compare of statistics
+
     library = Library("comparison_loops", [_SOURCE], _FUNCTIONS, _FLAGS)
     return CompiledLoops(library.functions) if library.load() else NumpyLoops(library.error)
 
