@@ -23,9 +23,18 @@ class Judged:
     median: float
     noise: float  # half the range of the rounds' values
 
+    @property
+    def past(self) -> float:
+        """How far the median is past the limit (<= 0: within it)."""
+        return self.goal.limit - self.median if self.goal.higher_is_better else self.median - self.goal.limit
+
     def __bool__(self) -> bool:
-        past = self.goal.limit - self.median if self.goal.higher_is_better else self.median - self.goal.limit
-        return past <= self.noise
+        return self.past <= self.noise
+
+    @property
+    def result(self) -> str:
+        """`met`; `within noise` (past the limit by no more than the noise); `MISSED`."""
+        return "met" if self.past <= 0 else "within noise" if self else "MISSED"
 
 
 def judge(name: str, values: list[float], goal: Goal) -> Judged:
@@ -38,7 +47,7 @@ def print_check(judged: list[Judged]) -> int:
     for j in judged:
         sign = "≥" if j.goal.higher_is_better else "≤"
         print(f"{j.name:<44} {j.median:>8.3f}{j.goal.unit} {j.noise:>8.3f}{j.goal.unit} "
-              f"{sign}{j.goal.limit:>8.2f}{j.goal.unit}  {'met' if j else 'MISSED'}")
+              f"{sign}{j.goal.limit:>8.2f}{j.goal.unit}  {j.result}")
     missed = [j.name for j in judged if not j]
-    print("every goal met" if not missed else f"missed: {', '.join(missed)}")
+    print("every goal met (within its noise)" if not missed else f"missed: {', '.join(missed)}")
     return 1 if missed else 0
