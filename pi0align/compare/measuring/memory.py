@@ -10,7 +10,6 @@ by SLACK since the last time; elsewhere it does nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import os
 
@@ -19,10 +18,11 @@ SLACK = 256 << 20  # resident bytes the heap may grow by before it is trimmed
 
 @functools.cache
 def _malloc_trim():
-    name = ctypes.util.find_library("c")
+    # The symbols this process was linked with, the C library's among them: no search for the
+    # library (ctypes.util imports subprocess, a compare's start-up would pay for it)
     try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
         return None
 
 
