@@ -77,8 +77,15 @@ def start_alone(device: Device) -> None:
         dist.init_process_group(backend=device.distributed_backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def stop() -> None:
+def stop(finished: bool) -> None:
+    """Leave the process group; where this rank `finished` its work, only once every rank has (a
+    barrier), so that no rank tears its connections down while another still uses them (PyTorch's
+    own tests put a barrier before `destroy_process_group` for that; one CI run here saw rank 1 of
+    two end with `terminate called without an active exception`, where is not known). A rank
+    that failed leaves at once: the others may never reach a barrier."""
     if dist.is_initialized():
+        if finished and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

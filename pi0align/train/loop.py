@@ -40,10 +40,13 @@ def train(config: TrainConfig, dumper=None, resume_from: Path | None = None, sto
     ranks = distributed.launched()
     device = resolve(distributed.device_of_rank(config.device, ranks))
     distributed.start(ranks, device)
+    finished = False
     try:
-        return _train(config, ranks, device, dumper, resume_from, started_from, stop_step, started)
+        summary = _train(config, ranks, device, dumper, resume_from, started_from, stop_step, started)
+        finished = True
+        return summary
     finally:
-        distributed.stop()
+        distributed.stop(finished)
 
 
 @contextlib.contextmanager
