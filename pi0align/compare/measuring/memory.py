@@ -22,7 +22,7 @@ def _malloc_trim():
     # library (ctypes.util imports subprocess, a compare's start-up would pay for it)
     try:
         return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc
+    except (OSError, AttributeError, TypeError):  # not glibc; Windows loads no library named None
         return None
 
 
