@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -66,8 +67,6 @@ class Device:
 
 def _cpu_model() -> str:
     """The processor's model name (Linux), else what `platform` knows."""
-    import platform
-
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             for line in cpuinfo:
@@ -76,6 +75,31 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def host_cpu() -> dict[str, str | None]:
+    """What decides how this host's CPU computes, whatever the device trains: PI0's noise is drawn
+    there (policy.py) and the batch made. Its architecture (an NPU host is arm64, a GPU host x86_64)
+    and model, the code path torch's CPU kernels take (the vector instructions it found, or the one
+    ATEN_CPU_CAPABILITY forces: the same draw rounds otherwise in a vector and a scalar kernel),
+    and the BLAS and oneDNN torch was built with; None where torch does not say."""
+    import re
+
+    config = torch.__config__.show()
+
+    def found(pattern: str) -> str | None:
+        match = re.search(pattern, config)
+        return match.group(1) if match else None
+
+    return {
+        "architecture": platform.machine(),
+        "model": _cpu_model(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "capability_forced": os.environ.get("ATEN_CPU_CAPABILITY"),
+        "blas": found(r"BLAS_INFO=(\w+)"),
+        "mkl": found(r"Math Kernel Library Version ([\w.]+)"),
+        "onednn": found(r"(?:MKL-DNN|oneDNN) v([\w.]+)"),
+    }
 
 
 def import_torch_npu():

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from pi0align import __version__
-from pi0align.device import Device, cann_version, optional_version
+from pi0align.device import Device, cann_version, host_cpu, optional_version
 
 VERSIONED_DISTRIBUTIONS = {
     "torch": "torch", "torch_npu": "torch-npu", "transformers": "transformers", "lerobot": "lerobot",
@@ -34,6 +34,7 @@ def environment(device: Device, rank: int, world_size: int) -> dict:
         "world_size": world_size,
         "rank": rank,
         "host": platform.node(),
+        "cpu": host_cpu(),
         "versions": versions(),
         "numerics": numerics(),
     }

@@ -3,6 +3,7 @@ one-line errors, no torch, and the HTML report of a real fault in the browser.""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -223,3 +224,29 @@ def test_the_top_level_help_is_for_users():
     assert "entry point" not in done.stdout and "dispatch" not in done.stdout
     assert "pi0align compare dumps/gpu dumps/npu" in done.stdout and "two runs part" in done.stdout
     assert max(len(line) for line in done.stdout.splitlines()) <= 80
+
+
+@pytest.mark.skipif(importlib.util.find_spec("msprobe") is None, reason="mindstudio-probe not installed")
+@pytest.mark.slow  # four toy runs under msprobe, each a process importing torch and msprobe
+@pytest.mark.parametrize("level", ["L1", "mix"])
+def test_msprobe_dumps_of_another_adam_eps_report_the_optimizer(level, tmp_path):
+    """msprobe's PrecisionDebugger around each step, optimizer.step() inside its window, AdamW's
+    eps 1e-8 against 1e-4: a report on the console (before: a traceback once the verdict was
+    printed), the JSON written with the default --top, and the first divergence, the culprit and
+    its group the optimizer's (its arithmetic inside optimizer.step(), not a kernel of Tensor.add_)."""
+    dumps = {}
+    for name, eps in (("a", 1e-8), ("b", 1e-4)):
+        dumps[name] = tmp_path / name
+        done = subprocess.run([sys.executable, "-c", "from pi0align.testing.scenarios import ToyRun, "
+                               f"dump_toy_with_msprobe; dump_toy_with_msprobe({str(dumps[name])!r}, "
+                               f"ToyRun(eps={eps}), level={level!r})"], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+    run = compare(dumps["a"], dumps["b"], "--no-html", "--json", tmp_path / "c.json", cwd=tmp_path)
+    assert run.returncode == 1, run.stderr
+    assert "Traceback" not in run.stderr and "top culprits" in run.stdout
+    report = json.loads((tmp_path / "c.json").read_text())
+    first, culprit, group = report["first_divergence"], report["culprits"][0], report["culprit_groups"][0]
+    assert (first["kind"], first["direction"], first["api"], first["step"]) == (
+        "optimizer", "in_optimizer", "Tensor.add_", 0)
+    assert (culprit["kind"], culprit["step"]) == ("optimizer", 0)
+    assert group["kind"] == "optimizer" and "compare the optimizers' settings" in group["hint"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 
 import h5py
 import pytest
@@ -104,21 +105,31 @@ def test_msprobe_names_and_roles_are_mapped(tmp_path):
 
 def test_msprobe_calls_after_the_backward_are_the_update_and_requires_grad_is_read(tmp_path):
     """msprobe records a step's clipping and the optimizer's arithmetic as forward API calls after
-    its backward: they are the step's `update` phase, not its forward; and whether a tensor
-    requires a gradient (the batch does not) is kept."""
+    its backward: they are the step's `update` phase, not its forward, and those whose stack runs
+    through an optimizer's step are the optimizer's (`in_optimizer`); whether a tensor requires a
+    gradient (the batch does not) is kept."""
     tensor = lambda grad: {"type": "torch.Tensor", "dtype": "torch.float32", "shape": [2], "Max": 1.0, "Min": 0.0,
                            "Mean": 0.5, "Norm": 1.0, "requires_grad": grad}
     data = {
         "Functional.linear.0.forward": {"input_args": [tensor(False), tensor(True)], "input_kwargs": {},
                                         "output": [tensor(True)]},
         "Functional.linear.0.backward": {"input": [tensor(False)], "output": [tensor(False), tensor(False)]},
+        "Tensor.mul_.0.forward": {"input_args": [tensor(False)], "input_kwargs": {}, "output": [tensor(False)]},
         "Tensor.add_.0.forward": {"input_args": [tensor(True), tensor(False)], "input_kwargs": {},
                                   "output": [tensor(True)]},
     }
-    (dump,) = open_run(_msprobe_folder(tmp_path, data=data)).values()
+    folder = _msprobe_folder(tmp_path, data=data)
+    frame = "File {}, line 9, in {}, \n code"
+    clip = [frame.format("/venv/torch/nn/utils/clip_grad.py", "clip_grad_norm_"), frame.format("train.py", "main")]
+    adam = [frame.format("/venv/torch/optim/adam.py", "_single_tensor_adam"),
+            frame.format("/venv/torch/optim/optimizer.py", "wrapper"), frame.format("train.py", "main")]
+    (folder / "step0" / "rank0" / "stack.json").write_text(json.dumps(
+        {"0": [["Tensor.mul_.0.forward"], clip], "1": [["Tensor.add_.0.forward"], adam]}))
+    (dump,) = open_run(folder).values()
     r = dump.records.to_pandas()
     assert r.groupby("name")["direction"].unique().map(list).to_dict() == {
-        "/Functional.linear#0": ["forward", "backward"], "/Tensor.add_#0": ["update"]}
+        "/Functional.linear#0": ["forward", "backward"], "/Tensor.mul_#0": ["update"],
+        "/Tensor.add_#0": ["in_optimizer"]}
     linear = r[(r["name"] == "/Functional.linear#0") & (r["direction"] == "forward")]
     assert list(linear["requires_grad"]) == [0, 1, 1]
 
@@ -155,7 +166,7 @@ def test_msprobe_tensor_dump_against_our_dump_of_the_same_values(tmp_path):
         for (_, name), group in dump.records.to_pandas().groupby(["call", "name"], sort=True):
             records = []
             for row in group.itertuples():
-                value = np.asarray(dump.tensor_reader(row.step, row.tensor), np.float32)
+                value = np.asarray(dump.tensor(row.Index), np.float32)
                 if faulty and row.api == "Tensor.__mul__" and row.role == "output" and row.direction == "forward":
                     value = value * np.float32(1 + 1e-3)
                 records.append((row.role, row.arg_index, value))
@@ -245,6 +256,7 @@ def test_a_torch_file_whose_tensor_reaches_past_its_storage_is_refused(tmp_path)
     import torch
 
     from pi0align.compare.reading.read_msprobe import _load_tensor
+    from pi0align.compare.reading.records import TensorRecord
 
     genuine = tmp_path / "genuine.pt"
     torch.save(torch.arange(6.0), genuine)
@@ -254,17 +266,18 @@ def test_a_torch_file_whose_tensor_reaches_past_its_storage_is_refused(tmp_path)
         with zipfile.ZipFile(genuine) as source, zipfile.ZipFile(forged, "w") as target:
             for item in source.infolist():
                 forging = item.filename.endswith("data.pkl")
-                target.writestr(item, _tensor_pickle(shape, strides) if forging else source.read(item))
+                target.writestr(item, tensor_pickle(shape, strides) if forging else source.read(item))
+        record = TensorRecord(0, str(forged), str(list(shape)), "float32", math.prod(shape))  # as dump.json says
         if name == "whole":  # the forging itself is sound: the genuine description reads
-            assert _load_tensor(forged).tolist() == list(range(6))
+            assert _load_tensor(record).tolist() == list(range(6))
             continue
         with pytest.raises(UserError, match="not a tensor file as msprobe writes it"):
-            _load_tensor(forged)
+            _load_tensor(record)
 
 
-def _tensor_pickle(shape: tuple, strides: tuple) -> bytes:
-    """The pickle torch.save writes for a float32 tensor on storage "0" of 6 elements, with the
-    given shape and strides, in pickle's opcodes (protocol 2)."""
+def tensor_pickle(shape: tuple, strides: tuple, key: str = "0", elements: int = 6) -> bytes:
+    """The pickle torch.save writes for a float32 tensor on storage `key` of `elements` elements,
+    with the given shape and strides, in pickle's opcodes (protocol 2)."""
     def items(*parts: bytes) -> bytes:
         return b"(" + b"".join(parts) + b"t"
 
@@ -274,6 +287,6 @@ def _tensor_pickle(shape: tuple, strides: tuple) -> bytes:
     def text(value: str) -> bytes:
         return b"X" + len(value).to_bytes(4, "little") + value.encode()
 
-    storage = items(text("storage"), b"ctorch\nFloatStorage\n", text("0"), text("cpu"), number(6)) + b"Q"
+    storage = items(text("storage"), b"ctorch\nFloatStorage\n", text(key), text("cpu"), number(elements)) + b"Q"
     arguments = items(storage, number(0), items(*map(number, shape)), items(*map(number, strides)), b"\x89", b"}")
     return b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n" + arguments + b"R."

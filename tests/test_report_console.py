@@ -55,8 +55,10 @@ def test_the_culprit_table_reads_at_80_columns_with_call_sites_relative_to_the_w
     text = render(comparison, width=80)
     table = text[text.index("top culprits"):text.index("culprit groups")].splitlines()
     assert all(len(line) <= 80 for line in table), table
-    call, site = next((line, table[i + 1]) for i, line in enumerate(table) if "gate_proj" in line)
-    assert call.rstrip().endswith("gate_proj · Functional.linear#0") and "…" in call  # its start cut, not its end
+    at = next(i for i, line in enumerate(table) if "gate_proj" in line)
+    call, module, site = table[at - 1], table[at], table[at + 1]
+    assert call.rstrip().endswith(" Functional.linear#0")  # the call, then its module on a line of its own
+    assert module.strip() == "…model.layers.1.mlp.gate_proj"  # whole parts lost from its start
     assert site.strip() == "pi0align/pi0/policy.py:57 forward"
     culprit = next(line for line in table if CULPRIT_MODULE in line)
     assert culprit.split()[:5] == ["1", "0", "call", "fwd", "intrinsic"]

@@ -5,7 +5,12 @@ run's checkpoint, on real tiny PI0 runs."""
 from __future__ import annotations
 
 import json
+import os
+import platform
+import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 from conftest import REPO, assert_one_line_error, run_cli, run_clis
@@ -131,9 +136,16 @@ def test_the_curves_page_shows_the_overlay_in_chromium(runs, tmp_path, browser):
     page.on("pageerror", lambda error: errors.append(str(error)))
     page.goto(page_file.as_uri())
     page.wait_for_selector("#curves .main-svg")
-    traces = page.evaluate("document.getElementById('curves').data.map(t => t.name)")
+    drawn = page.evaluate("document.getElementById('curves')._fullData.map("
+                          "t => [t.name, t.line.color, t.showlegend, t.xaxis])")
+    traces = [name for name, *_ in drawn]
     # three runs in each of loss, gradient norm and learning rate, two relative errors, the band
     assert len(traces) == 3 * 3 + 2 + 1 and traces.count("lr") == 4
+    colours = {run: {colour for name, colour, *_ in drawn if name == run} for run in ("base", "same", "lr")}
+    assert all(len(c) == 1 for c in colours.values()), colours  # one colour a run, in every panel
+    assert len(set.union(*colours.values())) == 3, colours  # and a colour of its own
+    in_legend = [name for name, _, shown, _ in drawn if shown and name in colours]
+    assert sorted(in_legend) == sorted(colours)  # one legend: each run once
     assert page.text_content("#verdict") == "outside tolerance"
     context.close()
     assert blocked == [] and errors == []
@@ -258,14 +270,35 @@ def test_from_takes_the_other_runs_configuration_and_says_what_is_wrong(runs, tm
 
 
 def test_doctor_passes_this_machine_and_names_what_an_npu_machine_lacks():
-    shown = run_cli("doctor")
+    shown = run_cli("doctor", env={"OMP_NUM_THREADS": "2"})
     assert shown.returncode == 0 and "torch" in shown.stdout and "mismatch" not in shown.stdout, shown.stdout
+    threads = next(line for line in shown.stdout.splitlines() if "CPU threads" in line)
+    assert threads.split("│")[-2].strip() == "ok", threads
     npu = doctor(Machine(versions={"python": "3.11.7", "torch": "2.14.1", "torchvision": "0.29.1",
                                    "transformers": "4.57.6", "lerobot": "0.4.4", "torch_npu": "2.1.0.post6",
                                    "cann": "8.2.RC1"}, devices=("cpu", "npu"), environment={}))
     status = {finding.check: finding.status for finding in npu.findings}
     assert not npu and status["torch_npu"] == MISMATCH and status["cann"] == OK
     assert status["HCCL_DETERMINISTIC"] == MISMATCH
+
+
+def test_doctor_warns_of_an_unset_thread_count_and_names_the_host_cpu():
+    """Unset is not fixed: a warning with the line to set (before: `ok`); the host's CPU (its
+    architecture, torch's code path, BLAS) is named, since two hosts' kernels round otherwise."""
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    shown = subprocess.run([sys.executable, "-m", "pi0align.cli.main", "doctor"], capture_output=True, text=True,
+                           env={**env, "COLUMNS": "80", "ATEN_CPU_CAPABILITY": "default"}, cwd=REPO)
+    assert shown.returncode == 0, shown.stderr  # supported, with a warning
+    lines = shown.stdout.splitlines()
+    threads = next(line for line in lines if "CPU threads" in line and "│" in line)
+    assert [cell.strip() for cell in threads.split("│")[1:-1]] == ["CPU threads", "unset", "fixed", "warning"]
+    assert "--threads N" in shown.stdout and "OMP_NUM_THREADS=N" in shown.stdout
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines if line.count("│") == 5]
+    at = next(i for i, row in enumerate(rows) if row[0] == "host CPU")
+    continued = [row for row in rows[at + 1:] if row[0] == ""][:len(rows) - at - 1]
+    host = " ".join(row[1] for row in [rows[at], *continued])
+    assert platform.machine() in host and "DEFAULT forced" in host, host
+    assert "ATEN_CPU_CAPABILITY=default" in shown.stdout
 
 
 def test_the_supported_versions_page_shows_the_table():
@@ -279,3 +312,43 @@ def test_a_run_killed_mid_line_reads_up_to_its_last_whole_step(runs, tmp_path):
     log = tmp_path / "killed" / "train_log.jsonl"
     log.write_text(log.read_text() + '{"step": 4, "lo')
     assert [r["step"] for r in read_run(tmp_path / "killed", need_log=True).log] == [0, 1, 2, 3]
+
+
+# -- names at 80 columns --------------------------------------------------------------------------
+
+
+def _broken_names(text: str, components: set[str]) -> list[str]:
+    """Where a line ends inside a module path's part and the next line goes on with it (`…encoder.la`
+    then `yers.0`): the pairs of lines, or of the same cell of a table's two lines, that do."""
+    lines, broken = text.splitlines(), []
+    for upper, lower in zip(lines, lines[1:]):
+        cells = (list(zip(re.split("[│┃]", upper), re.split("[│┃]", lower)))
+                 if upper.count("│") == lower.count("│") > 1 else [(upper, lower)])
+        for left, right in cells:
+            tail, head = re.search(r"\w+$", left.rstrip()), re.match(r"\w+", right.strip())
+            if tail and head and tail.group() + head.group() in components and left.rstrip() == left.rstrip(" "):
+                broken.append(f"{upper!r} / {lower!r}")
+    return broken
+
+
+def test_no_console_line_at_80_columns_breaks_inside_a_module_path_part(runs, tmp_path):
+    """compare, env-diff, curves, doctor and check at 80 columns on real PI0 names (up to 140
+    characters): every line fits, and no name is cut inside one of its parts (before: notes and
+    panels printed `…vision_model.encoder.la` / `yers.0.self_attn.k_proj.bias/Parameter#0`)."""
+    (dump,) = open_run(runs["base"]).values()
+    modules = set(dump.records["module"].tolist())
+    dump.close()
+    components = {part for module in modules for part in module.split(".") if re.search("[A-Za-z]", part)}
+    assert max(map(len, modules)) > 80  # the names are long enough to need it
+    baselines = tmp_path / "baselines"
+    assert run_cli("check", runs["base"], "--save-baseline", "tiny", "--baselines", baselines).returncode == 0
+    commands = [("compare", runs["base"], runs["2_threads"], "--no-html"),
+                ("compare", runs["base"], runs["fused"], "--no-html"),
+                ("compare", runs["base"], runs["seed_and_lr"], "--no-html", "--steps", "2"),
+                ("env-diff", runs["base"], runs["seed_and_lr"]), ("curves", runs["base"], runs["lr"]),
+                ("doctor",), ("check", runs["lr"], "--baseline", "tiny", "--baselines", baselines)]
+    for command in commands:
+        done = run_cli(*command, env={"COLUMNS": "80"})
+        assert done.returncode in (0, 1, 2) and "Traceback" not in done.stderr, done.stderr
+        assert all(len(line) <= 80 for line in done.stdout.splitlines()), (command, done.stdout)
+        assert _broken_names(done.stdout, components) == [], (command[0], _broken_names(done.stdout, components))

@@ -70,10 +70,12 @@ def test_a_torch_file_whose_pickle_names_anything_but_a_tensor_is_refused_unread
     import torch
 
     from pi0align.compare.reading.read_msprobe import _load_tensor
+    from pi0align.compare.reading.records import TensorRecord
 
     genuine = tmp_path / "genuine.pt"
     torch.save(torch.arange(6.0).reshape(2, 3), genuine)
-    assert _load_tensor(genuine).tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    record = lambda path: TensorRecord(0, str(path), "[2, 3]", "float32", 6)  # noqa: E731 - as dump.json says
+    assert _load_tensor(record(genuine)).tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     marker = tmp_path / "pwned"
     poisoned = tmp_path / "poisoned.pt"
     with zipfile.ZipFile(genuine) as source, zipfile.ZipFile(poisoned, "w") as target:
@@ -81,7 +83,7 @@ def test_a_torch_file_whose_pickle_names_anything_but_a_tensor_is_refused_unread
             data = pickle.dumps(_Payload(marker)) if item.filename.endswith("data.pkl") else source.read(item)
             target.writestr(item, data)
     with pytest.raises(UserError, match="holds objects other than tensors"):
-        _load_tensor(poisoned)
+        _load_tensor(record(poisoned))
     assert not marker.exists()
 
 

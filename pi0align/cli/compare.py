@@ -74,8 +74,7 @@ def main(args: argparse.Namespace) -> int:
         comparison = compare_dumps(args.dump_a, args.dump_b, thresholds=thresholds, steps=args.steps,
                                    progress=progress, noise=args.noise, replay=not args.no_replay)
 
-    print_summary(comparison, console, top=args.top)
-    written = []
+    written = []  # the files first: what the console cannot print is still in them
     if args.csv:
         written.append(write_csv(comparison, args.csv))
     if args.json:
@@ -85,6 +84,7 @@ def main(args: argparse.Namespace) -> int:
 
         html_path = args.html or default_html_path(args.dump_a, args.dump_b)
         written.append(write_html(comparison, html_path, top=args.top))
+    print_summary(comparison, console, top=args.top)
     for path in written:
         console.print(f"wrote {path}", highlight=False)
     return EXIT_ALIGNED if comparison.verdict == "aligned" else EXIT_DIVERGED

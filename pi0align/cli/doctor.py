@@ -18,12 +18,12 @@ def main(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from pi0align.report.doctor_table import doctor_table
+    from pi0align.report.doctor_table import doctor_report
     from pi0align.report.output import write_json_data
     from pi0align.runs.supported import doctor, this_machine
 
     result = doctor(this_machine())
-    Console().print(doctor_table(result))
+    Console().print(doctor_report(result))
     if args.json:
         write_json_data([dataclasses.asdict(finding) for finding in result.findings], args.json)
     return 0 if result else 1

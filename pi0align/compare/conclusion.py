@@ -40,6 +40,7 @@ from pi0align.compare.judging.judge import (
     noise_model,
 )
 from pi0align.compare.judging.manifest import (
+    host_cpus_differ,
     manifest_diff,
     manifest_notes,
     numerics_notes,
@@ -216,7 +217,8 @@ class Conclusion:
         identity = tensor_identities(rows)
         producer = producers(rows, judged_rows.verdict, identity)
         # the same initial weights, which rounding alone may have parted by a first dumped step past 0
-        noisy_start = same_initial_weights(self.diff, *self.manifests) and \
+        # (or from one seed's weights, drawn by two hosts' CPUs: apart by rounding only)
+        noisy_start = (same_initial_weights(self.diff, *self.manifests) or host_cpus_differ(self.diff)) and \
             not computes_alike(self.diff, self.manifests[0])
         calls = call_table(rows, judged_rows.verdict, rounding, identity, producer, self.first_step, self.parameters,
                            noisy_start)

@@ -442,10 +442,9 @@ def _fill_tensors(rows: Table, sa: _Side, sb: _Side, mask: np.ndarray, a: Dump, 
     """Stream every tensor pair, chunk by chunk."""
     paths_a, paths_b = sa.values("tensor", ""), sb.values("tensor", "")
     use = np.flatnonzero(mask & (paths_a != "") & (paths_b != ""))
-    steps = rows["step"]
     sums, trim = np.empty((len(use), len(FIELDS))), HeapTrimmer()
     for k, i in enumerate(use):
-        sums[k] = tensor_sums(a.tensor_reader(int(steps[i]), paths_a[i]), b.tensor_reader(int(steps[i]), paths_b[i]))
+        sums[k] = tensor_sums(a.tensor(int(sa.rows[i])), b.tensor(int(sb.rows[i])))
         trim()
         advance()
     for metric, values in metrics_of_sums(sums).items():

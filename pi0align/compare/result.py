@@ -42,6 +42,11 @@ ROW_COLUMNS = [
 ]
 
 
+# What a culprit is: an API or module call, the optimizer's update, the batch, a parameter's gradient
+# beyond its backward calls, the initial weights, parameters that changed where nothing dumped did.
+KINDS = ("call", "optimizer", "data", "gradient", "initial_weights", "parameters")
+
+
 @dataclass(frozen=True)
 class CallRef:
     """One call, as the user needs to find it."""
@@ -50,10 +55,10 @@ class CallRef:
     name: str
     module: str
     api: str
-    direction: str  # "forward" | "backward" | "parameter" | "data" | "optimizer"
+    direction: str  # one of reading.records.DIRECTIONS
     stack: list[str] = field(default_factory=list)
     rank: int = 0
-    kind: str = "call"  # "call" | "optimizer" | "data" | "initial_weights" | "parameters"
+    kind: str = "call"  # one of KINDS
 
 
 @dataclass(frozen=True)

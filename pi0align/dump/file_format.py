@@ -14,6 +14,14 @@ FORMAT = "pi0align-dump"
 VERSION = 1
 # the API of the optimizer's update of one parameter, a call of its own (`<parameter>/Optimizer.step#0`)
 OPTIMIZER_API = "Optimizer.step"
+# the functions (the last part of an API's name) whose results are drawn from a random generator:
+# a replay cannot draw the same numbers, and a comparison counts a draw that differs beyond the
+# rounding of its transform as data (another generator state or seed), not a faulty kernel
+RANDOM_FUNCTIONS = frozenset(
+    "dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout rrelu rrelu_ "
+    "rand rand_like randn randn_like randint randint_like randperm normal normal_ uniform_ "
+    "bernoulli bernoulli_ multinomial exponential_ geometric_ cauchy_ log_normal_ random_ poisson "
+    "_standard_gamma _sample_dirichlet binomial native_dropout gumbel_softmax".split())
 # the root attributes' values: what a dump records, at which level, with which backend
 MODES = ("stats", "sample", "tensor")
 LEVELS = ("api", "module", "mix")

@@ -99,10 +99,16 @@ class JournaledFile(io.RawIOBase):
         super().close()
 
 
+class DamagedJournal(ValueError):
+    """A journal that no append of ours wrote: rolling it back would write what it says, not undo."""
+
+
 def roll_back(path: Path) -> None:
     """Undo an append its writer did not finish (nothing when there is no journal): the saved bytes
     back, latest first, so the oldest value of a byte saved twice wins; the file cut to its old
-    length. Repeatable: a roll-back killed halfway is done again from the start."""
+    length. Repeatable: a roll-back killed halfway is done again from the start. A journal that
+    says more than an append saves (a longer file, bytes past its old end) is DamagedJournal, and
+    the file is left untouched."""
     journal = journal_path(path)
     if not journal.exists():
         return
@@ -115,8 +121,13 @@ def roll_back(path: Path) -> None:
             at += _ENTRY.size
             if at + count > len(saved):
                 break  # killed while saving these bytes: they were not overwritten yet
+            if offset + count > length:
+                raise DamagedJournal(f"it saved bytes {offset}-{offset + count}, past the file's old end {length}")
             entries.append((offset, saved[at:at + count]))
             at += count
+        # an append adds to the file, or cuts it after saving what it cuts: nothing else lengthens it
+        if length > max([path.stat().st_size, *(offset + len(old) for offset, old in entries)]):
+            raise DamagedJournal(f"it would lengthen the file to {length} bytes, past what it saved")
         fd = os.open(path, os.O_RDWR)
         try:
             for offset, old in reversed(entries):

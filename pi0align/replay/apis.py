@@ -14,14 +14,10 @@ import re
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from pi0align.dump.file_format import RANDOM_FUNCTIONS
+
 _NAMESPACES = {"Torch": torch, "Functional": F, "Tensor": torch.Tensor}
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# Results drawn from a random generator: a float64 replay cannot draw the same numbers.
-RANDOM = frozenset(
-    "dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout rrelu rrelu_ "
-    "rand rand_like randn randn_like randint randint_like randperm normal normal_ uniform_ "
-    "bernoulli bernoulli_ multinomial exponential_ geometric_ cauchy_ log_normal_ random_ poisson "
-    "_standard_gamma _sample_dirichlet binomial native_dropout gumbel_softmax".split())
 # Moving a tensor to an accelerator is moving it to the CPU here.
 _TO_CPU = {"Tensor.cuda": "Tensor.cpu", "Tensor.npu": "Tensor.cpu", "Tensor.xpu": "Tensor.cpu"}
 
@@ -43,7 +39,7 @@ def resolve(api: str):
     namespace = _NAMESPACES.get(prefix)
     if namespace is None or not _IDENTIFIER.match(attribute):
         raise NotReplayable(f"unknown API {api!r}")
-    if attribute in RANDOM:
+    if attribute in RANDOM_FUNCTIONS:  # a float64 replay cannot draw the same numbers
         raise NotReplayable("random op")
     func = getattr(namespace, attribute, None)
     if func is None or func not in _overridable():

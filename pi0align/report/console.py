@@ -16,12 +16,13 @@ from pi0align.compare.result import CallRef, Comparison, Culprit
 from pi0align.compare.table import isin
 from pi0align.report.envdiff_table import env_diff_table, env_diff_verdict
 from pi0align.report.formatting import (
-    call_label,
+    ShortNames,
     coverage_text,
     fit_left,
     format_number,
     innermost_frame,
     relative_frame,
+    short_frame,
 )
 from pi0align.report.summary import verdict_counts
 from pi0align.runs.envdiff import env_diff_of
@@ -33,21 +34,23 @@ LISTED_PER_SECTION = 10
 
 
 def print_summary(comparison: Comparison, console: Console, *, top: int = 10) -> None:
-    """Verdict, coverage, first divergence, top culprits, one-sided records, manifest differences, notes."""
+    """Verdict, coverage, first divergence, top culprits, one-sided records, manifest differences,
+    notes; every name shortened to its distinctive tail where the console's width needs it."""
+    names = ShortNames(module for rows in comparison.row_parts(["module"]) for module in rows["module"].tolist())
     console.print(_verdict_panel(comparison))
     for title, call in (("first divergence", comparison.first_divergence),
                         ("first divergence in backward", comparison.first_divergence_backward)):
         if call is not None:
-            console.print(_first_divergence(title, call))
+            console.print(_first_divergence(title, call, names, console.width))
     if comparison.culprits and top > 0:
-        console.print(_culprit_table(comparison, top, console.width))
+        console.print(_culprit_table(comparison, top, console.width, names))
         console.print(Text("top culprit: ", style="bold") + Text(broken_bound_text(comparison.culprits[0])))
     if comparison.culprit_groups:
         console.print(_groups_table(comparison))
         for group in comparison.culprit_groups:
             if group.hint:
-                console.print(Text(f"hint ({group.api}): ", style="bold magenta") + Text(group.hint))
-    one_sided = _one_sided_table(comparison)
+                console.print(Text(f"hint ({group.api}): ", style="bold magenta") + Text(names.in_text(group.hint)))
+    one_sided = _one_sided_table(comparison, names, console.width)
     if one_sided is not None:
         console.print(one_sided)
     if comparison.manifest_diff:
@@ -56,7 +59,7 @@ def print_summary(comparison: Comparison, console: Console, *, top: int = 10) ->
             console.print(env_diff_table(set_up, title="set-up (env-diff)"))
         console.print(Text("set-up: ", style="bold") + Text(env_diff_verdict(set_up)))
     for note in comparison.notes:
-        console.print(Text("note: ", style="bold yellow") + Text(note))
+        console.print(Text("note: ", style="bold yellow") + Text(names.in_text(note)))
 
 
 def broken_bound_text(culprit: Culprit) -> str:
@@ -93,26 +96,32 @@ def _verdict_panel(comparison: Comparison) -> Panel:
                  expand=False)
 
 
-def _first_divergence(title: str, call: CallRef) -> Panel:
+def _first_divergence(title: str, call: CallRef, names: ShortNames, width: int) -> Panel:
+    inside = width - 4  # the panel's borders and padding
+    api = f"api {call.api}  "
+    name = names.name(call.name, inside - len(api) - len("name "))
     body = Text.assemble(
         ("kind ", "dim"), (call.kind, "bold"), ("  step ", "dim"), str(call.step), ("  direction ", "dim"),
         call.direction, ("  rank ", "dim"), str(call.rank), "\n",
-        ("module ", "dim"), (call.module or "(top level)", "bold"), "\n",
-        ("api ", "dim"), (call.api, "bold"), ("  name ", "dim"), call.name,
+        ("module ", "dim"), (names.module(call.module, inside - len("module ")) or "(top level)", "bold"), "\n",
+        ("api ", "dim"), (call.api, "bold"), ("  name " if len(api) + len(name) + 5 <= inside else "\nname ", "dim"),
+        name if len(api) + len(name) + 5 <= inside else names.name(call.name, inside - len("name ")),
     )
     for frame in reversed(call.stack):  # innermost first: the line the user should open
-        body.append("\n  at " + relative_frame(frame), style="cyan")
+        body.append("\n  at " + short_frame(relative_frame(frame), inside - len("  at ")), style="cyan")
     return Panel(body, title=Text(title), border_style="red", expand=False)
 
 
-_SHORT_DIRECTIONS = {"forward": "fwd", "backward": "bwd"}
+# a call's direction in the culprit table's kind column (any other direction is printed whole)
+_SHORT_DIRECTIONS = {"forward": "fwd", "backward": "bwd", "update": "upd"}
 # culprit table columns of fixed width: #, step, kind, judged by, blame (and a space between each)
 _CULPRIT_FIXED = 3 + 5 + 13 + 10 + 9
 
 
-def _culprit_table(comparison: Comparison, top: int, width: int) -> Table:
-    """One line a culprit, and its call site on the next, at any width from 80 columns: long module
-    paths lose their start ("…layers.1.mlp.gate_proj"), the part that tells calls apart."""
+def _culprit_table(comparison: Comparison, top: int, width: int, names: ShortNames) -> Table:
+    """One line a culprit (its call, then its module where both do not fit on one), and its call
+    site on the next, at any width from 80 columns: long module paths lose whole parts from their
+    start ("…model.layers.1.mlp.gate_proj"), keeping the tail that tells calls apart."""
     table = Table(title=f"top culprits ({min(top, len(comparison.culprits))} of {len(comparison.culprits)})",
                   title_justify="left", box=None, pad_edge=False, padding=(0, 1, 0, 0),
                   caption="blame: local error ratio (replay), else introduced error",
@@ -122,12 +131,13 @@ def _culprit_table(comparison: Comparison, top: int, width: int) -> Table:
     call_width = max(20, width - _CULPRIT_FIXED)
     table.add_column("call · call site", no_wrap=True, overflow="crop", max_width=call_width)
     for place, culprit in enumerate(comparison.culprits[:top], start=1):
-        kind = culprit.kind if culprit.kind != "call" else f"call {_SHORT_DIRECTIONS[culprit.direction]}"
+        kind = culprit.kind if culprit.kind != "call" else \
+            f"call {_SHORT_DIRECTIONS.get(culprit.direction, culprit.direction)}"
         blame = culprit.local_ratio if culprit.evidence == "replay" else culprit.introduced_error
         side = f" {culprit.wrong_side}" if culprit.wrong_side else ""
-        call = Text(fit_left(call_label(culprit.name), call_width), style="bold")
+        call = Text(names.label(culprit.name, call_width), style="bold")
         if culprit.stack:
-            call.append("\n" + fit_left(relative_frame(innermost_frame(culprit.stack)), call_width), style="cyan")
+            call.append("\n" + short_frame(relative_frame(innermost_frame(culprit.stack)), call_width), style="cyan")
         table.add_row(str(place), str(culprit.step), kind, culprit.evidence + side, format_number(blame), call)
     return table
 
@@ -143,17 +153,19 @@ def _groups_table(comparison: Comparison) -> Table:
     return table
 
 
-def _one_sided_table(comparison: Comparison) -> Table | None:
+def _one_sided_table(comparison: Comparison, names: ShortNames, width: int) -> Table | None:
     table = Table(title_justify="left")
     for column in ("side", "step", "rank", "name", "role", "arg"):
         table.add_column(column, overflow="fold")
+    name_width = max(width - 44, 24)  # the other columns, their borders and padding
     count = listed = 0
     for rows in comparison.row_parts(["pairing", "step", "rank", "name", "role", "arg_index"]):
         one_sided = np.flatnonzero(isin(rows["pairing"], ["only_a", "only_b"]))
         count += len(one_sided)
         for i in one_sided[:LISTED_PER_SECTION - listed].tolist():
             side = "A" if rows["pairing"][i] == "only_a" else "B"
-            table.add_row(side, str(rows["step"][i]), str(rows["rank"][i]), escape(str(rows["name"][i])),
+            table.add_row(side, str(rows["step"][i]), str(rows["rank"][i]),
+                          escape(names.name(str(rows["name"][i]), name_width)),
                           str(rows["role"][i]), str(rows["arg_index"][i]))
             listed += 1
     if not count:

@@ -26,20 +26,23 @@ ONE_SIDE = "recorded on one side only"  # a manifest older or of another kind: n
 @dataclass(frozen=True)
 class Item:
     """One thing a run is set up with: its manifest keys (the first present is shown), what a
-    difference in it means (MATTERS, DIFFERS or NO_EFFECT), and why; `follows`: the item it is
-    made from (the seed for random initial weights), when that one differs too, with the keys
-    that must be unset on both sides for it to hold (a pretrained checkpoint is no seed's)."""
+    difference in it means (MATTERS, DIFFERS or NO_EFFECT), and why; `follows`: the items it is
+    made from (the seed and the host's CPU for random initial weights), when one of them differs
+    too, with the keys that must be unset on both sides for it to hold (a pretrained checkpoint is
+    no seed's)."""
 
     name: str
     keys: tuple[str, ...]
     effect: str
     why: str
-    follows: str = ""
+    follows: tuple[str, ...] = ()
     unless: tuple[str, ...] = ()
 
 
 _LIBRARY = "its kernels, and so the numbers they compute, change between versions"
 _SWITCH = "changes how float32 and reductions are computed"
+_HOST = "the host's CPU kernels (PI0's noise draw, the batch, random initial weights) round otherwise"
+_HOST_ITEMS = ("CPU architecture", "CPU model", "CPU code path", "BLAS", "oneDNN")
 ITEMS = [
     *(Item(name, (f"versions.{name}",), MATTERS, _LIBRARY)
       for name in ("torch", "torch_npu", "cann", "transformers", "lerobot", "deepspeed", "accelerate")),
@@ -48,13 +51,19 @@ ITEMS = [
     Item("device", ("device", "config.device"), DIFFERS, "the devices compared"),
     Item("device name", ("device_name",), DIFFERS, "the devices compared"),
     Item("device count", ("device_count",), DIFFERS, "devices present on the machine, not used"),
+    *(Item(name, keys, MATTERS, why) for name, keys, why in zip(_HOST_ITEMS, (
+        ("cpu.architecture",), ("cpu.model",), ("cpu.capability", "cpu.capability_forced"), ("cpu.blas", "cpu.mkl"),
+        ("cpu.onednn",)), (
+        _HOST, "torch's BLAS chooses its kernels by processor: " + _HOST,
+        "torch's CPU kernels vectorised otherwise (ATEN_CPU_CAPABILITY): " + _HOST, _LIBRARY + ": " + _HOST,
+        _LIBRARY + ": " + _HOST))),
     Item("world size", ("world_size",), MATTERS, "the global batch and the reductions across ranks"),
     Item("dtype", ("dtype", "config.dtype", "hyperparameters.dtype"), MATTERS,
          "parameters and activations in another precision (autocast included)"),
     Item("seed", ("seed", "config.seed"), MATTERS, "other initial weights, batches and noise"),
     Item("seed_all", ("seed_impl", "config.seed_impl"), MATTERS, "another seed_all draws other numbers"),
     Item("initial weights", ("weights_sha256",), MATTERS, "the training starts from other weights",
-         follows="seed", unless=("config.pretrained",)),
+         follows=("seed", *_HOST_ITEMS), unless=("config.pretrained",)),
     Item("dataset", ("dataset_fingerprint",), MATTERS, "other samples"),
     Item("parameter count", ("parameter_count",), MATTERS, "another model"),
     Item("transformers compatibility", ("transformers_compat",), MATTERS,
@@ -72,7 +81,7 @@ ITEMS = [
         ("NVIDIA_TF32_OVERRIDE", "turns TF32 on or off whatever torch's switches say"),
         ("OMP_NUM_THREADS", "CPU reductions are split by thread"))),
     Item("PYTHONHASHSEED", ("numerics.environment.PYTHONHASHSEED",), MATTERS,
-         "the order of sets and dicts keyed by strings", follows="seed"),
+         "the order of sets and dicts keyed by strings", follows=("seed",)),
     Item("learning rate", ("hyperparameters.optimizer_lr", "config.lr"), MATTERS, "another update"),
     *(Item(name.replace("_", " "), (f"hyperparameters.{name}",), MATTERS, "another update, model or batch")
       for name in ("optimizer_betas", "optimizer_eps", "optimizer_weight_decay", "optimizer_grad_clip_norm",
@@ -177,8 +186,9 @@ def _lines(fa: dict, fb: dict, keys: set[str], one_side: set[str]) -> EnvDiff:
         elif status == MATTERS and shown.startswith("versions.") and None in (fa.get(shown), fb.get(shown)):
             status, why = DIFFERS, "installed on one side only (torch_npu and CANN come with the NPU)"
         unset = all(fa.get(key) is None and fb.get(key) is None for key in item.unless)
-        if status != SAME and item.follows in differing_items and unset:
-            status, why = FOLLOWS, f"follows the {item.follows}, which differs: {item.why}"
+        cause = next((name for name in item.follows if name in differing_items), None)
+        if status != SAME and cause is not None and unset:
+            status, why = FOLLOWS, f"follows the {cause}, which differs: {item.why}"
         lines.append(Line(item.name, fa.get(shown), fb.get(shown), status, why))
     for key in sorted(keys - set(_ITEM_OF_KEY)):
         status = SAME if key not in differs else ONE_SIDE if key in one_side else DIFFERS

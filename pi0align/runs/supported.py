@@ -11,6 +11,7 @@ from packaging.version import Version
 
 ALL_DEVICES = ("cpu", "cuda", "npu")
 OK, MISMATCH, ABSENT, NOT_NEEDED = "ok", "mismatch", "absent", "not needed"
+WARNING, INFO = "warning", "info"  # a switch left to chance; what a comparison must know of this machine
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Machine:
     versions: dict[str, str | None]
     devices: tuple[str, ...]
     environment: dict[str, str | None] = field(default_factory=dict)
+    cpu: dict[str, str | None] = field(default_factory=dict)  # device.host_cpu()
 
 
 @dataclass(frozen=True)
@@ -132,8 +134,22 @@ def _switches(machine: Machine) -> list[Finding]:
                                 OK if (hccl or "").lower() in ("true", "1") else MISMATCH,
                                 "deterministic reductions across NPUs: export HCCL_DETERMINISTIC=true"))
     threads = env.get("OMP_NUM_THREADS")
-    findings.append(Finding("CPU threads", threads or "unset", "fixed", OK,
-                            "CPU results are bit-identical only at one thread count: pass --threads N"))
+    findings.append(Finding("CPU threads", threads or "unset", "fixed", OK if threads else WARNING,
+                            "CPU results are bit-identical only at one thread count: pass --threads N to "
+                            "pi0align run, or export OMP_NUM_THREADS=N"))
+    if machine.cpu:
+        cpu = machine.cpu
+        forced = cpu.get("capability_forced")
+        found = " · ".join(str(v) for v in (cpu.get("architecture"), cpu.get("model"),
+                                            cpu.get("capability") and cpu["capability"] + (" forced" if forced else ""),
+                                            cpu.get("blas") and f"{cpu['blas']} {cpu.get('mkl') or ''}".strip(),
+                                            cpu.get("onednn") and f"oneDNN {cpu['onednn']}") if v)
+        findings.append(Finding("host CPU", found, "the same on the hosts compared", INFO,
+                                "PI0's noise and the batch are made on the host's CPU whatever the device: hosts of "
+                                "another architecture (an arm64 NPU host, an x86_64 GPU host) or code path round "
+                                "them otherwise; env-diff names it, compare holds no call to bit-equality then"
+                                + (f" (this one's code path is forced: ATEN_CPU_CAPABILITY={forced})"
+                                   if forced else "")))
     return findings
 
 
@@ -141,10 +157,11 @@ def this_machine() -> Machine:
     """The versions, devices and environment of the machine this runs on (imports torch)."""
     import os
 
+    from pi0align.device import host_cpu
     from pi0align.provenance import NUMERICS_VARIABLES, versions
 
     return Machine(versions=versions(), devices=tuple(kind for kind in ALL_DEVICES if _present(kind)),
-                   environment={name: os.environ.get(name) for name in NUMERICS_VARIABLES})
+                   environment={name: os.environ.get(name) for name in NUMERICS_VARIABLES}, cpu=host_cpu())
 
 
 def _present(kind: str) -> bool:

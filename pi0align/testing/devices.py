@@ -139,6 +139,21 @@ class EveryCall(TorchFunctionMode):
         return result
 
 
+class DrawBefore(TorchFunctionMode):
+    """Before every call of `func` (a random draw), one number drawn from the default generator:
+    the draws after it come from another generator state, as where one side makes a draw the
+    other does not (dropout left on, an extra random call)."""
+
+    def __init__(self, func) -> None:
+        super().__init__()
+        self.func = func
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is self.func:
+            torch.rand(1)
+        return func(*args, **(kwargs or {}))
+
+
 class _GradientTimes(torch.autograd.Function):
     """The identity forward; the gradient flowing back through it × factor."""
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from pi0align.testing.devices import EveryCall, Fault, Tf32Matmuls, UlpNoise, adam_kernel
+from pi0align.testing.devices import DrawBefore, EveryCall, Fault, Tf32Matmuls, UlpNoise, adam_kernel
 from pi0align.testing.models import HandWrittenAdamW, Mlp, Transformer
 
 FUNCTIONS = {"linear": F.linear, "gelu": F.gelu, "layer_norm": F.layer_norm, "softmax": torch.softmax,
              "matmul": torch.matmul, "sdpa": F.scaled_dot_product_attention, "add": torch.Tensor.add,
-             "silu": F.silu, "mul": torch.Tensor.mul, "rsqrt": torch.rsqrt}
+             "silu": F.silu, "mul": torch.Tensor.mul, "rsqrt": torch.rsqrt, "normal": torch.normal}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -25,7 +25,8 @@ class Emulation:
     matmul inputs in TF32, one faulty call (module path, function name, index, factor), its
     gradient alone off (`fault_backward`), in the module's first `fault_forwards` forwards only;
     an Adam kernel computing with another epsilon (`adam_eps`) or learning rate (× `adam_lr_scale`)
-    than its settings say."""
+    than its settings say; every call of a function off (`every`); a number drawn before each
+    call of a random function (`draw_before`: its draws from another generator state)."""
 
     ulp_noise: int = 0
     ulp_seed: int = 1
@@ -36,6 +37,7 @@ class Emulation:
     adam_eps: float | None = None
     adam_lr_scale: float = 1.0
     every: tuple[str, float] | None = None  # (function name, factor): every call of it off
+    draw_before: str | None = None  # a function name: a draw before each of its calls (another generator state)
 
     @contextlib.contextmanager
     def on(self, model: torch.nn.Module):
@@ -52,6 +54,8 @@ class Emulation:
             modes.append(fault)
         if self.every is not None:
             modes.append(EveryCall(FUNCTIONS[self.every[0]], self.every[1]))
+        if self.draw_before is not None:
+            modes.append(DrawBefore(FUNCTIONS[self.draw_before]))
         if self.adam_eps is not None or self.adam_lr_scale != 1.0:
             modes.append(adam_kernel(self.adam_eps, self.adam_lr_scale))
         try:

@@ -167,7 +167,7 @@ def _accumulated_within(rows: Table, identity: np.ndarray, producer: np.ndarray,
     gradient was recorded (msprobe's `update` calls): within MARGIN × the bound of the sum the
     readers of a tensor of their shape that requires a gradient sent back
     (identity.accumulated_gradient_sources), every one of those explained."""
-    gradients = (rows["direction"] == "update") & (rows["role"] == "input") & (producer < 0)
+    gradients = isin(rows["direction"], ("update", "in_optimizer")) & (rows["role"] == "input") & (producer < 0)
     if not gradients.any():
         return gradients
     # tensors read in forward that require a gradient (statistics may tell a parameter from the
@@ -427,6 +427,10 @@ _SOURCES = {
     ("update", "input"): "what the step's update read differs from what its backward made (a gradient beyond the "
                          "sum of what the readers of a parameter of its shape sent back: a hook, gradient "
                          "accumulation, all-reduce), or from what the step before left (a parameter, a state)",
+    ("in_optimizer", "input"): "what the optimizer's step read differs from what the backward made (a gradient beyond "
+                               "the sum of what the readers of a parameter of its shape sent back: a hook, gradient "
+                               "accumulation, all-reduce, clipping), or from what the step before left (a parameter, "
+                               "a state)",
     ("optimizer", "input"): "what the optimizer's update read differs from what the step left (the parameter, "
                             "its gradient beyond what clipping explains, or the states of the update before): "
                             "something changed it between backward and the update (a hook, gradient "

@@ -13,7 +13,7 @@ from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.reading.records import subjects
 from pi0align.compare.result import CulpritGroup
 from pi0align.compare.table import Table
-from pi0align.dump.file_format import OPTIMIZER_API
+from pi0align.dump.file_format import OPTIMIZER_API, RANDOM_FUNCTIONS
 
 # APIs whose kernels multiply matrices: TF32 / HF32 switches change all of them at once
 MATMUL_FAMILY = frozenset({"linear", "matmul", "__matmul__", "__rmatmul__", "bmm", "mm", "addmm", "addbmm", "baddbmm",
@@ -71,16 +71,18 @@ def culprit_groups(guilty: Table, blame: np.ndarray, counts: dict[tuple[str, str
         groups.append(CulpritGroup(
             kind=kind, api=api, count=len(members), calls=total, share_introducing=share,
             median_ratio=float(np.median(blame[members])), median_output_error=typical_error,
-            hint=hint(kind, api, share, total, unit, typical_error, hyper_parameters, names, unrecorded),
+            hint=hint(kind, api, share, total, unit, typical_error, hyper_parameters, names, unrecorded,
+                      in_step=bool((guilty["direction"][members] == "in_optimizer").any())),
             examples=list(dict.fromkeys(names))[:3]))
     return [group for _, _, group in sorted(zip(first, (-g.count for g in groups), groups), key=lambda t: t[:2])]
 
 
 def hint(kind: str, api: str, share: float, calls: int, unit: float, typical_error: float,
          hyper_parameters: list[tuple[str, object, object]], names: list[str],
-         unrecorded: list[tuple[int, int]] = ()) -> str:
+         unrecorded: list[tuple[int, int]] = (), in_step: bool = False) -> str:
     """What a known pattern usually means ("" when the group is not one); `names`: its culprits';
-    `unrecorded`: the (step, next dumped step) pairs whose updates were not recorded."""
+    `unrecorded`: the (step, next dumped step) pairs whose updates were not recorded; `in_step`:
+    culprits among them ran inside the optimizer's step (its arithmetic, recorded op by op)."""
     systematic = share >= SYSTEMATIC_SHARE and calls >= 2
     if kind == "call":
         if api == "matmul family" and systematic and unit == UNIT_ROUNDOFF["float32"] \
@@ -92,6 +94,10 @@ def hint(kind: str, api: str, share: float, calls: int, unit: float, typical_err
             return (f"most calls of {api} introduce error: its kernel differs on one side (implementation, "
                     "precision mode), not one call site")
         return ""
+    if kind == "optimizer" and in_step:
+        return (f"the optimizer's update differs: its arithmetic inside optimizer.step() ({names[0]}) parts "
+                "while what it read agrees: compare the optimizers' settings (lr, betas, eps, weight_decay) and "
+                "implementations (fused, foreach)")
     if kind == "optimizer" and unrecorded:
         between = ", ".join(f"step {a} and {b}" for a, b in unrecorded)
         gap = any(b - a > 1 for a, b in unrecorded)
@@ -107,6 +113,10 @@ def hint(kind: str, api: str, share: float, calls: int, unit: float, typical_err
             return ("every parameter's update differs while its gradients agree: the optimizer's hyper-parameters "
                     "or its implementation (fused or foreach AdamW, the order of its operations)")
         return "these parameters' updates differ while their gradients agree"
+    if kind == "data" and api.rpartition(".")[2] in RANDOM_FUNCTIONS:
+        return (f"a random draw ({api}) differs beyond the rounding of its transform: drawn from another generator "
+                "state (another seed, or another draw before it: an extra random call, dropout left on, a data "
+                "loader's workers), not two hosts' kernels")
     keys = ", ".join(dict.fromkeys(subjects(np.array(names, dtype=object)).tolist()))
     return {
         "data": f"the batch differs ({keys}) while the parameters agree: data order (sampler seed, shuffling), "

@@ -127,10 +127,12 @@ def judge(calls: Table, fallback: str, exact: bool = False, earlier: Sequence[Po
     a_wrong &= replayed
     module = is_module(calls)
     held = calls["with_calls_inside"].astype(bool)
+    kind = calls["kind"]
+    operation = judged_as_calls(calls)
     # bit-comparable runs compute alike: identical inputs and differing outputs prove a change,
     # however small (TF32 rounding that the statistics hardly see, two elements swapped)
     changed = calls["inputs_identical"] & calls["outputs_differ"] & ~held
-    kind, beyond = calls["kind"], beyond_bound(calls)
+    beyond = beyond_bound(calls)
     off = family_off(calls)
     peers = stands_out(calls) | off | beyond_at_every_step(calls, beyond)
     kernels = np.where(held, beyond, beyond & peers) | (changed if exact else False)
@@ -142,17 +144,17 @@ def judge(calls: Table, fallback: str, exact: bool = False, earlier: Sequence[Po
         beyond_step = calls["outputs_fail"] & (calls["parameter_error"] > calls["step_bound"])
     updates = (beyond & (calls["inputs_identical"] | updates_off(calls))) | beyond_step
     sourced = calls["sourced"].astype(bool)
-    rule = np.select([kind == "call", kind == "optimizer", kind == "data"], [kernels, updates, calls["outputs_fail"]],
+    rule = np.select([operation, kind == "optimizer", kind == "data"], [kernels, updates, calls["outputs_fail"]],
                      beyond & sourced)  # the parameters, the initial weights, the gradients
     # told other arguments (a scale, an epsilon): computes something else, however right its kernel;
     # an optimizer told other hyper-parameters is a setup that differs, whatever its outputs show
     other_arguments = calls["args_differ"] & (calls["outputs_fail"] | (kind == "optimizer")) & ~module
-    by_bits = exact & changed & (kind == "call") & ~replayed & ~(beyond & peers)
+    by_bits = exact & changed & operation & ~replayed & ~(beyond & peers)
     judged = np.where(replayed, b_wrong | a_wrong, rule)
     # downstream of a culprit, statistics cannot tell the error a call inherited from error it
     # adds (a LayerNorm's output keeps its norm whatever its elements hold, and the calls after it
     # seem to amplify what it hid): there a call judged by statistics is blamed by its bits alone
-    by_statistics = (calls["metric"] == "stats_rel_err") & ~replayed & isin(kind, ("call", "gradient"))
+    by_statistics = (calls["metric"] == "stats_rel_err") & ~replayed & (operation | (kind == "gradient"))
     enclosing = enclosing_modules(calls)
     inherited = by_statistics & after_first(calls, innermost(enclosing, judged), earlier)
     judged &= ~inherited | (changed & exact)
@@ -162,8 +164,8 @@ def judge(calls: Table, fallback: str, exact: bool = False, earlier: Sequence[Po
     wrong = np.where(b_wrong, "B", np.where(a_wrong, "A", "")).astype(object)
     blame = np.where(replayed & ~other_arguments, local_ratio, calls["introduced_error"].astype(np.float64))
     wrong[evidence != "replay"] = ""
-    update = kind == "optimizer"
-    within = np.select([culprit, replayed, ~sourced, held & ~beyond, beyond & (kind == "call") & ~peers,
+    update = (kind == "optimizer") & ~operation
+    within = np.select([culprit, replayed, ~sourced, held & ~beyond, beyond & operation & ~peers,
                         beyond & update & np.isfinite(calls["step_bound"]), beyond & update],
                        ["", "replay", "unsourced", "inside", "peers", "step", "peers"], "bound").astype(object)
     return Judgement(culprit=culprit, evidence=evidence, wrong_side=wrong, blame=blame, within=within,
@@ -171,12 +173,25 @@ def judge(calls: Table, fallback: str, exact: bool = False, earlier: Sequence[Po
 
 
 # What decides how the same maths is computed, and so its rounding: the device and its libraries,
-# the numerics switches, and the implementations chosen (a fused AdamW, DeepSpeed's engine and
-# ZeRO stage, another transformers or LeRobot).
-SAME_NUMERICS = ("device", "device_name", "dtype", "world_size", "numerics", "versions.torch", "versions.torch_npu",
-                 "versions.cann", "versions.transformers", "versions.lerobot", "versions.deepspeed",
-                 "versions.accelerate", "transformers_compat", "config.optimizer", "config.engine",
-                 "config.zero_stage")
+# the host's CPU (where PI0's noise is drawn and the batch made, whatever the device: its
+# architecture, model, torch's code path and BLAS), the numerics switches, and the implementations
+# chosen (a fused AdamW, DeepSpeed's engine and ZeRO stage, another transformers or LeRobot).
+SAME_NUMERICS = ("device", "device_name", "cpu", "dtype", "world_size", "numerics", "versions.torch",
+                 "versions.torch_npu", "versions.cann", "versions.transformers", "versions.lerobot",
+                 "versions.deepspeed", "versions.accelerate", "transformers_compat", "config.optimizer",
+                 "config.engine", "config.zero_stage")
+
+
+# the directions of API and module calls: kernels with inputs and outputs, whatever kind they count as
+CALL_DIRECTIONS = ("forward", "backward", "update", "in_optimizer")
+
+
+def judged_as_calls(calls: Table) -> np.ndarray:
+    """The calls judged as kernels: API and module calls, whatever their kind (the optimizer's
+    arithmetic where a dump records it op by op, msprobe's calls inside `optimizer.step()`, makes
+    its update: kind `optimizer`; a random draw is data), and not what was recorded whole (the
+    parameters, their gradients, the batch, our `Optimizer.step` records)."""
+    return isin(calls["direction"], CALL_DIRECTIONS)
 
 
 def computes_alike(diff: list, manifest: dict) -> bool:
@@ -221,7 +236,7 @@ def beyond_bound(calls: Table) -> np.ndarray:
     """Calls whose failing outputs hold more error than their inputs (through their condition) and
     rounding explain (bounds.py), by more than MARGIN (OPTIMIZER_GAIN for the optimizer), whatever
     their inputs hold; for a module holding calls, what entered it from no dumped call."""
-    gain = np.where(calls["kind"] == "optimizer", OPTIMIZER_GAIN, MARGIN)
+    gain = np.where((calls["kind"] == "optimizer") & ~judged_as_calls(calls), OPTIMIZER_GAIN, MARGIN)
     failing = np.where(calls["with_calls_inside"], calls["inside_error"] > 0, calls["outputs_fail"])
     return failing & (calls["introduced_error"] > gain)
 
@@ -292,7 +307,7 @@ def after_first(calls: Table, selected: np.ndarray, earlier: Sequence[Position] 
 
 
 # the phases that read what every rank's backward made (DDP's all-reduced gradients)
-SHARED_PHASES = ("update", "optimizer")
+SHARED_PHASES = ("update", "in_optimizer", "optimizer")
 
 
 def first_positions(calls: Table, selected: np.ndarray) -> list[Position]:
@@ -337,7 +352,8 @@ def downstream(rank: np.ndarray, step: np.ndarray, phase: np.ndarray, seq: np.nd
 
 def updates_off(calls: Table) -> np.ndarray:
     """The optimizer updates of steps whose median update introduces more than OPTIMIZER_GAIN."""
-    introduced = np.where(calls["kind"] == "optimizer", calls["introduced_error"].astype(np.float64), np.nan)
+    updates = (calls["kind"] == "optimizer") & ~judged_as_calls(calls)
+    introduced = np.where(updates, calls["introduced_error"].astype(np.float64), np.nan)
     step = Groups(calls["rank"], calls["step"])
     with np.errstate(invalid="ignore"):
         return (step.median(introduced) > OPTIMIZER_GAIN)[step.codes]

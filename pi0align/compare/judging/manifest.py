@@ -47,10 +47,17 @@ def numerics_notes(a: dict, b: dict) -> list[str]:
     return notes
 
 
+def host_cpus_differ(diff: list[tuple[str, Any, Any]]) -> bool:
+    """The runs' host CPUs compute otherwise (their architecture, model, torch's code path or BLAS:
+    the manifests' `cpu`): what they draw at random rounds otherwise."""
+    return any(key.startswith("cpu.") for key, _, _ in diff)
+
+
 def weights_comparable(diff: list[tuple[str, Any, Any]]) -> bool:
     """Whether the manifests' weights hashes can tell the initial weights apart: taken in the same
-    dtype (the same weights in fp32 and cast to bf16 hash apart)."""
-    return not any(key == "dtype" for key, _, _ in diff)
+    dtype (the same weights in fp32 and cast to bf16 hash apart), drawn by the same host CPU (one
+    seed's random weights round otherwise in another CPU's kernels)."""
+    return not any(key == "dtype" for key, _, _ in diff) and not host_cpus_differ(diff)
 
 
 def same_initial_weights(diff: list[tuple[str, Any, Any]], a: dict, b: dict) -> bool:
@@ -66,7 +73,13 @@ def manifest_notes(diff: list[tuple[str, Any, Any]]) -> list[str]:
         if key == "dtype":
             notes.append(f"the runs differ in dtype ({va} in A, {vb} in B): each pair is judged at the looser "
                          "dtype's limits, and the initial weights by their values, not their hashes")
+
         elif key in _MEANING and va is not None and vb is not None and (key != "weights_sha256"
                                                                            or weights_comparable(diff)):
             notes.append(f"{_MEANING[key]}: {va!s:.16} vs {vb!s:.16}")
+    host = [f"{key.removeprefix('cpu.')} {va} in A, {vb} in B" for key, va, vb in diff if key.startswith("cpu.")]
+    if host:
+        notes.append(f"the runs' host CPUs compute otherwise ({'; '.join(host)}): their kernels round otherwise, "
+                     "random draws included (PI0's noise, random initial weights), so no call is held to "
+                     "bit-equality, and the initial weights are judged by their values, not their hashes")
     return notes

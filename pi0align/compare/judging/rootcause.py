@@ -46,9 +46,10 @@ from pi0align.compare.judging.identity import RESULT_ROLES, gradient_sources, pr
 from pi0align.compare.judging.judge import Judgement, replay_ratio_limit
 from pi0align.compare.judging.modules import enclosing_modules, enclosing_paths, holds_calls, is_module
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, dtype_class, looser_classes
-from pi0align.compare.reading.records import INPUT_ROLES, OUTPUT_ROLES, subjects
+from pi0align.compare.reading.records import DIRECTIONS, INPUT_ROLES, OUTPUT_ROLES, function_names, subjects
 from pi0align.compare.result import CallRef, Culprit
 from pi0align.compare.table import Groups, Table, gather, isin, lookup
+from pi0align.dump.file_format import RANDOM_FUNCTIONS
 
 STATS_ERRORS = ["norm_rel_err", "mean_val_rel_err", "min_rel_err", "max_val_rel_err"]
 # A norm and a mean sum a tensor's elementwise differences, so random ones (rounding's) move them
@@ -58,12 +59,10 @@ SUMMED_STATISTICS, EXTREME_STATISTICS = STATS_ERRORS[:2], STATS_ERRORS[2:]
 MAX_CULPRITS = 100
 CLEARLY_MORE = 10.0  # a later culprit ranks above an earlier one when its blame is this many times more
 # kind of culprit by the direction of its call ("parameter": initial_weights or parameters)
-KIND_OF_DIRECTION = {"forward": "call", "backward": "call", "update": "call", "optimizer": "optimizer",
-                     "data": "data", "gradient": "gradient"}
-# a step's parts in execution order ("gradient": the parameters' gradients autograd accumulated;
-# "update": API calls after the backward, such as clipping and the optimizer's arithmetic as
-# msprobe records them)
-PHASES = ("parameter", "data", "forward", "backward", "gradient", "update", "optimizer")
+# (a call inside the optimizer's step is the optimizer's update, though judged as any call: judge.py)
+KIND_OF_DIRECTION = {"forward": "call", "backward": "call", "update": "call", "in_optimizer": "optimizer",
+                     "optimizer": "optimizer", "data": "data", "gradient": "gradient"}
+PHASES = DIRECTIONS  # a step's parts in execution order
 CALL_COLUMNS = ["rank", "step", "direction", "kind", "seq_a", "name", "module", "api", "input_error", "output_error",
                 "inputs_pass", "outputs_fail", "introduced_error", "condition", "condition_rule", "invariant_error",
                 "bound_condition", "unit", "floor", "metric",
@@ -341,8 +340,11 @@ def _units(dtypes: np.ndarray) -> np.ndarray:
 def kinds(calls: Table, first_step: int) -> np.ndarray:
     """Each call's kind: a parameter at step 0 holds the initial weights; later, or at a first
     dumped step past 0, the parameters (what training made of them); a parameter whose update
-    was not recorded stands for that update (`optimizer`)."""
+    was not recorded stands for that update (`optimizer`); a random draw (RANDOM_FUNCTIONS) is
+    data: judged as any call (two hosts' kernels round its transform otherwise), one beyond that
+    rounding was drawn from another generator state."""
     kind = np.array([KIND_OF_DIRECTION.get(d, "parameters") for d in calls["direction"].tolist()], dtype=object)
+    kind[(kind == "call") & isin(function_names(calls["api"]), RANDOM_FUNCTIONS)] = "data"
     kind[(kind == "parameters") & (calls["step"] == 0) & (first_step == 0)] = "initial_weights"
     kind[(calls["direction"] == "parameter") & (calls["previous_step"] >= 0)] = "optimizer"
     return kind

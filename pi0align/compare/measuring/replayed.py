@@ -51,8 +51,7 @@ def measure_and_replay(rows: Table, a: Dump, b: Dump, ia: np.ndarray, ib: np.nda
     measured, sums = [], []  # rows with tensors on both sides, and their error sums
     for (step, call_a, call_b, way), members in sorted(groups.items()):
         for row in (r for r in members if stored[r]):
-            sums.append(tensor_sums(*(side.array(step, str(paths[row])) for side, paths in
-                                      zip(sides, (tensor_a, tensor_b)))))
+            sums.append(tensor_sums(*(side.array(int(index[row])) for side, index in zip(sides, (ia, ib)))))
             measured.append(row)
             advance()
         results = [r for r in members if result_row[r]]
@@ -135,19 +134,18 @@ class RecordedCalls:
         for i in self.records_of.get((step, call), []):
             if records["role"][i] != role:
                 continue
-            path = str(records["tensor"][i])
-            if not path:
+            if not records["tensor"][i]:
                 raise LookupError(f"{role} {int(records['arg_index'][i])} not dumped in full")
-            found[int(records["arg_index"][i])] = self.array(step, path)
+            found[int(records["arg_index"][i])] = self.array(i)
         return found
 
-    def array(self, step: int, path: str) -> np.ndarray:
-        """A tensor of this dump, decoded (kept while recent)."""
-        key = (step, path)
+    def array(self, record: int) -> np.ndarray:
+        """The full tensor of one of this dump's records, decoded (kept while recent)."""
+        key = (int(self.steps[record]), str(self.dump.records["tensor"][record]))
         if key in self.cache:
             self.cache.move_to_end(key)
             return self.cache[key]
-        array = np.asarray(self.dump.tensor_reader(step, path)[()])
+        array = np.asarray(self.dump.tensor(record)[()])
         self.cache[key] = array
         self.cached_bytes += array.nbytes
         while self.cached_bytes > _CACHE_BYTES and len(self.cache) > 1:

@@ -19,6 +19,9 @@ import hdf5plugin  # lets h5py read Zstandard-compressed datasets too
 import numpy as np
 import zstandard
 
+from pi0align.compare.reading.sizes import check_chunk
+from pi0align.errors import UserError
+
 _ZSTD = str(hdf5plugin.ZSTD_ID)  # how h5py names a filter it has no name for
 _SUPPORTED_FILTERS = {"gzip", "shuffle", _ZSTD}
 
@@ -34,10 +37,14 @@ def chunk_layout(ds: Any) -> tuple | None:
 
 
 def chunk_index(ds: h5py.Dataset) -> dict[tuple, tuple[int, int, int]] | None:
-    """chunk offset -> (byte offset, size, filter mask); None when a chunk was never written."""
+    """chunk offset -> (byte offset, size, filter mask); None when a chunk was never written. A
+    chunk stated to lie beyond its file is a damaged file (UserError)."""
     index = {}
     ds.id.chunk_iter(lambda info: index.__setitem__(info.chunk_offset, (info.byte_offset, info.size,
                                                                          info.filter_mask)))
+    file_bytes = ds.file.id.get_filesize()
+    for byte_offset, size, _ in index.values():
+        check_chunk(byte_offset + size, file_bytes, f"{ds.file.filename}: {ds.name}")
     expected = int(np.prod([-(-n // c) for n, c in zip(ds.shape, ds.chunks)]))
     return index if len(index) == expected else None
 
@@ -52,6 +59,7 @@ class ChunkReader:
         self.loops = loops  # kernels.py's, for the unshuffle
         self.gzip, self.zstd, self.shuffle = "gzip" in ds._filters, _ZSTD in ds._filters, "shuffle" in ds._filters
         self.chunk_bytes = int(np.prod(self.chunks)) * self.dtype.itemsize
+        self.filename, self.name = ds.file.filename, ds.name
         self.fd = os.open(ds.file.filename, os.O_RDONLY)
 
     def read(self, offset: tuple, where: tuple[int, int, int], buffers: ChunkBuffers) -> np.ndarray:
@@ -60,10 +68,13 @@ class ChunkReader:
         raw = buffers.get("raw", size)
         os.preadv(self.fd, [raw], byte_offset)
         # filter_mask bit i set: filter i of the pipeline (shuffle first, then compression) was skipped
-        if self.gzip and not mask & 0b10:
-            raw = memoryview(zlib.decompress(raw))
+        if self.gzip and not mask & 0b10:  # no more than a chunk holds, whatever the bytes say
+            raw = memoryview(zlib.decompressobj().decompress(raw, self.chunk_bytes))
         elif self.zstd and not mask & 0b10:
             raw = _zstd_into(raw, buffers.get("plain", self.chunk_bytes))
+        if len(raw) != self.chunk_bytes:
+            raise UserError(f"{self.filename}: damaged (a chunk of {self.name} decodes to {len(raw)} bytes, not "
+                            f"{self.chunk_bytes})")
         data = np.frombuffer(raw, np.uint8)
         if self.shuffle and not mask & 0b01 and self.dtype.itemsize > 1:
             data = self.loops.unshuffle(data, self.dtype.itemsize, buffers.get("unshuffled", data.size))

@@ -6,8 +6,9 @@ whole model, and modules `Module.<path>.<Class>.<forward|backward>.<k>`. We rena
 `<module>/<api>#<k>` (k counted per module), taking the module from construct.json (at level mix;
 msprobe writes no module scopes at L1), so that both formats align the same way and an msprobe
 dump compares against one of ours. msprobe records the API calls a step makes after its backward
-(gradient clipping, the optimizer's arithmetic) as forward calls: they get direction `update`, the
-phase they ran in (ours record that phase as the optimizer's updates instead).
+(gradient clipping, the optimizer's arithmetic) as forward calls: they get the phase they ran in,
+direction `in_optimizer` where their stack runs through an optimizer's step, `update` otherwise
+(ours record the optimizer's update as one `Optimizer.step` call per parameter instead).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from pi0align.compare.reading.records import Dump, call_site, no_metrics, no_records
+from pi0align.compare.reading.records import Dump, TensorRecord, call_site, no_metrics, no_records
+from pi0align.compare.reading.sizes import check_tensor
 from pi0align.compare.reading.torch_files import load_tensor
 from pi0align.compare.table import Table
 from pi0align.errors import UserError
@@ -37,6 +39,10 @@ _RANK_DIR = re.compile(r"^(rank|proc)(\d*)$")
 _STATISTICS_FIELDS = ("Min", "Max", "Mean", "Norm")
 _STATISTICS = operator.itemgetter(*_STATISTICS_FIELDS)
 _SHAPE, _DTYPE = operator.itemgetter("shape"), operator.itemgetter("dtype")  # every tensor entry has both
+# Frames of an optimizer's step: every torch.optim.Optimizer's (torch_npu's and DeepSpeed's fused ones
+# derive from it) runs inside torch/optim; its learning-rate schedulers compute no tensors.
+_OPTIMIZER_FILES = ("/torch/optim/", "/torch_npu/optim/")
+_NOT_OPTIMIZER_STEP = ("/lr_scheduler.py:",)
 
 
 def is_msprobe_path(path: Path) -> bool:
@@ -139,14 +145,20 @@ def _read_rank(root: Path, rank: int, folders: list[tuple[int, Path]]) -> Dump:
     mode = "tensor" if modes == {"tensor"} else "stats"
     return Dump(source=str(root), mode=mode, rank=rank, records=Table.concat(tables) if tables else no_records(),
                 metrics=no_metrics(), manifest={}, stacks=stacks,
-                tensor_reader=lambda step, tensor: _load_tensor(Path(tensor)))
+                tensor_reader=_load_tensor)
 
 
-def _load_tensor(path: Path):
-    """One of msprobe's tensor files; what is not a tensor (a pickled object among them) is refused
-    unread."""
+def _load_tensor(record: TensorRecord):
+    """One of msprobe's tensor files; what is not a tensor (a pickled object among them), or not
+    the one its record in dump.json describes, is refused unread."""
+    path = Path(record.path)
+    expect = lambda shape, itemsize: check_tensor(shape, itemsize, record, str(path))  # noqa: E731
     try:
-        return np.load(path, mmap_mode="r") if path.suffix == ".npy" else load_tensor(path)
+        if path.suffix != ".npy":
+            return load_tensor(path, expect)
+        array = np.load(path, mmap_mode="r")  # its header only: the elements are read as touched
+        expect(array.shape, array.dtype.itemsize)
+        return array
     except pickle.UnpicklingError:
         raise UserError(f"{path}: holds objects other than tensors (not msprobe's; never unpickled)") from None
     except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as error:
@@ -240,7 +252,8 @@ class _StepRecords:
     def __init__(self, step: int, construct: dict, frames: dict[str, tuple[str, ...]]):
         self.step, self.construct, self.frames = step, construct, frames
         self.stacks: dict[tuple[int, int], tuple[str, ...]] = {}
-        self.calls: list[tuple[int, str, str, str, str, str]] = []  # id, name, module, api, direction, site
+        # id, name, module, api, direction, site, whether it ran inside an optimizer's step
+        self.calls: list[tuple[int, str, str, str, str, str, bool]] = []
         self.groups: list[tuple[int, str, int]] = []  # position in self.calls, role, count
         self.entries: list[dict] = []
         self._forward_names: dict[str, str] = {}
@@ -264,7 +277,7 @@ class _StepRecords:
                 name = self._forward_names[forward_key] = f"{module}/{api}#{k}"
             frames = self.frames.get(key, ())
             self.stacks[(self.step, call)] = frames
-            self.calls.append((call, name, module, api, direction, call_site(frames)))
+            self.calls.append((call, name, module, api, direction, call_site(frames), _in_optimizer_step(frames)))
             if direction == "forward":
                 self._add_tensors("input", _tensors(entry.get("input_args")) + _tensors(entry.get("input_kwargs")))
                 self._add_tensors("output", _tensors(entry.get("output")))
@@ -288,7 +301,8 @@ class _StepRecords:
             return
         self._parameter_roles.add((name, role))
         call = self._parameter_calls.setdefault(name, _PARAMETER_CALLS + len(self._parameter_calls))
-        self.calls.append((call, name, own_path, "Parameter", "parameter", call_site(self.frames.get(stack_key, ()))))
+        self.calls.append((call, name, own_path, "Parameter", "parameter", call_site(self.frames.get(stack_key, ())),
+                           False))
         self._add_tensors(role, tensors)
 
     def table(self, rank: int, tensor_dir: Path) -> Table:
@@ -298,10 +312,11 @@ class _StepRecords:
         counts = np.array(counts, np.int64)
         of_call = np.repeat(np.array(owners, np.int64), counts)
         arg_index = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)  # 0, 1, ... within a group
-        ids, names, modules, apis, directions, sites = ([np.array(column, object) for column in zip(*self.calls)]
-                                                        if self.calls else [np.zeros(0, object)] * 6)
+        ids, names, modules, apis, directions, sites, in_step = (
+            [np.array(column, object) for column in zip(*self.calls)] if self.calls else [np.zeros(0, object)] * 7)
         call_ids, names, modules, apis, directions, sites = (
-            column[of_call] for column in (ids, names, modules, apis, _update_phase(directions), sites))
+            column[of_call] for column in (ids, names, modules, apis, _update_phase(directions, in_step.astype(bool)),
+                                           sites))
         shapes, numels = _shapes(list(map(_SHAPE, entries)))
         data_names = [entry.get("data_name") for entry in entries]  # tensor mode: the tensor's file
         return Table({
@@ -319,16 +334,24 @@ class _StepRecords:
         }, length=n)
 
 
-def _update_phase(directions: np.ndarray) -> np.ndarray:
-    """The calls' directions, with `update` for the forward calls after the step's last backward
-    call: what a step computes once its gradients are made (clipping, the optimizer's arithmetic)."""
+def _update_phase(directions: np.ndarray, in_optimizer_step: np.ndarray) -> np.ndarray:
+    """The calls' directions, with `in_optimizer` for the forward calls that ran inside an
+    optimizer's step (its arithmetic) and `update` for the other forward calls after the step's
+    last backward call (what a step computes once its gradients are made: clipping)."""
     backward = np.flatnonzero(directions == "backward")
-    if not len(backward):
-        return directions
     directions = directions.copy()
-    later = np.arange(len(directions)) > backward[-1]
-    directions[later & (directions == "forward")] = "update"
+    forward = directions == "forward"
+    if len(backward):
+        directions[forward & (np.arange(len(directions)) > backward[-1])] = "update"
+    directions[forward & in_optimizer_step] = "in_optimizer"
     return directions
+
+
+@functools.lru_cache(maxsize=1 << 12)  # the calls of one optimizer share a few stacks
+def _in_optimizer_step(frames: tuple[str, ...]) -> bool:
+    """Whether a call's frames (ours: "path:line function") run through an optimizer's step."""
+    return any(any(part in frame for part in _OPTIMIZER_FILES)
+               and not any(part in frame for part in _NOT_OPTIMIZER_STEP) for frame in frames)
 
 
 def _statistics(entries: list[dict]) -> np.ndarray:
@@ -344,6 +367,9 @@ def _shapes(shapes: list) -> tuple[np.ndarray, np.ndarray]:
     """msprobe's shapes as our text ("[2, 3]") and element counts; each distinct shape parsed once."""
     distinct, codes = _factorize([tuple(shape or ()) for shape in shapes])
     dims = [[int(s) for s in shape] for shape in distinct]
+    if any(n < 0 or n != s for shape, given in zip(dims, distinct) for n, s in zip(shape, given)) or \
+            any(math.prod(shape) >= 1 << 62 for shape in dims):
+        raise ValueError("a shape that is no tensor's")
     texts = np.array(["[" + ", ".join(map(str, d)) + "]" for d in dims], object)
     return texts[codes], np.array([math.prod(d) for d in dims], np.int64)[codes]
 

@@ -14,10 +14,12 @@ from pi0align.compare.reading.records import (
     RECORD_COLUMNS,
     Bfloat16Array,
     Dump,
+    TensorRecord,
     call_site,
     no_metrics,
     no_records,
 )
+from pi0align.compare.reading.sizes import check_length, check_stored, check_tensor
 from pi0align.compare.table import Table, lookup
 from pi0align.dump import journal
 from pi0align.dump.file_format import CALL_TYPES, FORMAT, RECORD_TYPES, step_group
@@ -72,6 +74,9 @@ def _with_file(path: Path, read, keep_open: bool = False):
     except BlockingIOError:
         raise UserError(f"{path}: being written (its writer has been inside one append for over {LOCK_WAIT_S:.0f} s); "
                         "try again when it has moved on") from None
+    except journal.DamagedJournal as error:
+        raise UserError(f"{journal.journal_path(path)}: damaged ({error}); the dump was left as it is: move the "
+                        "journal away to read it as it stands") from None
     except journal.InterruptedAppend as error:
         raise UserError(f"{path}: its writer was killed in the middle of an append, which cannot be undone here "
                         f"({error}); open it once with write access to restore its last complete step") from None
@@ -137,26 +142,38 @@ def _read(f: h5py.File, path: Path, steps: set[int] | None) -> Dump:
     groups: dict[tuple[int, str], h5py.Group] = {}
 
     @functools.lru_cache(maxsize=OPEN_DATASETS)
-    def tensor_reader(step: int, tensor: str):
+    def tensor_reader(record: TensorRecord):
         import hdf5plugin  # noqa: F401 - registers the Zstandard filter the tensors are written with
 
-        folder, _, name = tensor.rpartition("/")
-        group = groups.get((step, folder))
+        folder, _, name = record.path.rpartition("/")
+        group = groups.get((record.step, folder))
         if group is None:
-            step_tables = f[step_group(step)]
-            group = groups[(step, folder)] = step_tables[folder] if folder else step_tables
+            step_tables = f[step_group(record.step)]
+            group = groups[(record.step, folder)] = step_tables[folder] if folder else step_tables
         ds = group[name]
+        if not isinstance(ds, h5py.Dataset):
+            raise UserError(f"{path}: step {record.step}'s tensor {record.path}: damaged (not a dataset)")
+        where = f"{ds.file.filename}: step {record.step}'s tensor {record.path}"
+        check_tensor(ds.shape, ds.dtype.itemsize, record, where)
+        check_stored(ds, where)
         return Bfloat16Array(ds) if _text(ds.attrs.get("dtype", "")) == "bfloat16" else ds
 
     def sample_reader(step: int) -> tuple[np.ndarray, np.ndarray]:
-        samples = f[step_group(step)]["samples"]
+        group = f[step_group(step)]
+        samples, records = group["samples"], len(group["records"]["role"])
+        for name in ("values", "positions"):
+            where = f"{path}: step {step}'s samples/{name}"
+            if samples[name].ndim != 2 or samples[name].shape[0] != records:
+                raise UserError(f"{where}: damaged (shape {list(samples[name].shape)} for {records} records)")
+            check_stored(samples[name], where)
         return samples["values"][()], samples["positions"][()]
 
     args_of_step: dict[int, np.ndarray] = {}
 
     def args_reader(step: int, call: int) -> str:
         if step not in args_of_step:
-            args_of_step[step] = _column(f[step_group(step)]["calls"], "args")  # indexed by call_id
+            calls = f[step_group(step)]["calls"]
+            args_of_step[step] = _column(calls, "args", length=len(calls["call_id"]))  # indexed by call_id
         return str(args_of_step[step][call])
 
     return Dump(source=str(path), mode=_text(f.attrs.get("mode", "stats")), rank=rank,
@@ -169,11 +186,19 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _column(group: h5py.Group, name: str, texts: dict[str, str] | None = None) -> np.ndarray:
-    """A dataset's values; text as str, each distinct text one object from `texts` where given (a
-    long dump repeats its names, dtypes and shapes at every step: a str per record would cost a
-    compare of many steps most of its memory)."""
+def _column(group: h5py.Group, name: str, texts: dict[str, str] | None = None, length: int | None = None) -> np.ndarray:
+    """A dataset's values, once it is found to hold them (and `length` rows, where given); text as
+    str, each distinct text one object from `texts` where given (a long dump repeats its names,
+    dtypes and shapes at every step: a str per record would cost a compare of many steps most of
+    its memory)."""
     ds = group[name]
+    where = f"{group.file.filename}: {ds.name}"
+    if length is None:
+        if ds.ndim != 1:
+            raise UserError(f"{where}: damaged (a column of shape {list(ds.shape)})")
+        check_stored(ds, where)
+    else:
+        check_length(ds, length, where)
     if not h5py.check_string_dtype(ds.dtype):
         return ds[()]
     values = ds.asstr()[()]
@@ -183,8 +208,8 @@ def _column(group: h5py.Group, name: str, texts: dict[str, str] | None = None) -
 
 
 def _step_records(group: h5py.Group, step: int, rank: int, frames_of: dict[int, list[str]], texts: dict[str, str]):
-    calls = {c: _column(group["calls"], c, texts) for c in _CALL_COLUMNS}
-    records = Table({c: _column(group["records"], c, texts) for c in _RECORD_COLUMNS})
+    calls = _table(group["calls"], _CALL_COLUMNS, texts)
+    records = Table(_table(group["records"], _RECORD_COLUMNS, texts))
     if len(np.unique(calls["call_id"])) != len(calls["call_id"]):
         raise ValueError("call ids repeat")
     of_call = lookup([records["call_id"]], [calls["call_id"]])
@@ -201,18 +226,22 @@ def _step_records(group: h5py.Group, step: int, rank: int, frames_of: dict[int, 
     return records.select(RECORD_COLUMNS), step_stacks
 
 
+def _table(group: h5py.Group, columns: list[str], texts: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+    """The columns of one table, all as long as its first."""
+    first = _column(group, columns[0], texts)
+    return {columns[0]: first, **{c: _column(group, c, texts, len(first)) for c in columns[1:]}}
+
+
 def _stacks(f: h5py.File) -> dict[int, list[str]]:
     if "stacks" not in f:
         return {}
-    ids = f["stacks/stack_id"][()]
-    frames = _column(f["stacks"], "frames")
-    return {int(i): json.loads(fr) for i, fr in zip(ids, frames)}
+    stacks = _table(f["stacks"], ["stack_id", "frames"])
+    return {int(i): json.loads(fr) for i, fr in zip(stacks["stack_id"], stacks["frames"])}
 
 
 def _metrics(f: h5py.File) -> Table:
-    if "metrics" not in f:
-        return no_metrics()
-    return Table({c: f["metrics"][c][()] for c in METRIC_COLUMNS if c in f["metrics"]})
+    columns = [c for c in METRIC_COLUMNS if c in f.get("metrics", {})]
+    return Table(_table(f["metrics"], columns)) if columns else no_metrics()
 
 
 def _manifest(f: h5py.File) -> dict:

@@ -28,12 +28,31 @@ _FLOAT_COLUMNS = {"min", "max", "mean", "norm", "nan_count", "inf_count"}
 
 METRIC_COLUMNS = ("step", "loss", "grad_norm", "lr")  # one row per training step
 
+# Every direction of a call, in the order a step runs them: its parameters, its data, forward, backward,
+# the parameters' gradients autograd accumulated (a call of its own, made of `parameter_grad` records),
+# the API calls after its backward outside the optimizer (clipping, as msprobe records them), the
+# calls inside the optimizer's step (its arithmetic, as msprobe records it, op by op), and the
+# optimizer's update of each parameter (ours: one `Optimizer.step` call per parameter).
+DIRECTIONS = ("parameter", "data", "forward", "backward", "gradient", "update", "in_optimizer", "optimizer")
+
 INPUT_ROLES = ("input", "grad_output")  # what flows into a call (forward / backward)
 OUTPUT_ROLES = ("output", "grad_input")  # what flows out of it
 PARAMETER_ROLES = ("parameter", "parameter_grad")  # used by report
 
 # Frames from these packages are hook and dispatch machinery, not the user's call site.
 _MACHINERY = ("/torch/", "/msprobe/", "/pi0align/dump/", "/torch_npu/")
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """What a record says of its full tensor: where it is stored (the `tensor` column) and what it
+    must be there, which the readers check before reading it (sizes.py)."""
+
+    step: int
+    path: str
+    shape: str  # as the records write it: `[2, 3]`
+    dtype: str
+    numel: int
 
 
 @dataclass
@@ -47,14 +66,24 @@ class Dump:
     metrics: Table  # step, loss, grad_norm, lr
     manifest: dict[str, Any]
     stacks: dict[tuple[int, int], Sequence[str]] = field(default_factory=dict)  # (step, call) -> frames
-    # (step, record's `tensor` column) -> array-like with .shape and slicing (h5py dataset, memmap)
-    tensor_reader: Callable[[int, str], Any] | None = None
+    # a record's full tensor -> array-like with .shape and slicing (h5py dataset, memmap), once
+    # found to be what its record says (`tensor`)
+    tensor_reader: Callable[[TensorRecord], Any] | None = None
     # (step) -> (values, positions) float64 / int32-or-int64 arrays, shape (n_records_of_step, sample_size)
     sample_reader: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None
     # (step, call) -> the call's non-tensor arguments as recorded (`calls/args` JSON), for replay
     args_reader: Callable[[int, int], str] | None = None
     notes: list[str] = field(default_factory=list)
     close: Callable[[], None] = lambda: None
+
+    def tensor(self, record: int) -> Any:
+        """The full tensor of record `record` (its row in `records`), read on demand; a file that
+        stores another one is damaged, said in one line (UserError) before it is read."""
+        records = self.records
+        return self.tensor_reader(TensorRecord(
+            step=int(records["step"][record]), path=str(records["tensor"][record]),
+            shape=str(records["shape"][record]), dtype=str(records["dtype"][record]),
+            numel=int(records["numel"][record])))
 
 
 def subjects(names: np.ndarray) -> np.ndarray:

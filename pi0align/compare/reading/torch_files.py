@@ -13,8 +13,10 @@ from __future__ import annotations
 import collections
 import io
 import math
+import os
 import pickle
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -79,6 +81,15 @@ class _TensorUnpickler(pickle.Unpickler):
         return _Storage(str(pid[2]), STORAGE_DTYPES[pid[1]])
 
 
+def _entry(archive: zipfile.ZipFile, name: str, path: str | Path) -> bytes:
+    """An entry's bytes, once its stated size is found within the file (what it would allocate)."""
+    info = archive.getinfo(name)
+    if info.compress_type != zipfile.ZIP_STORED or info.file_size > os.path.getsize(path):
+        raise NotATensor(f"an entry of {info.file_size} bytes, compressed or larger than its file: not as "
+                         "torch.save writes")
+    return archive.read(info)
+
+
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The strides, in elements, of a C-contiguous tensor of that shape."""
     strides, step = [], 1
@@ -88,25 +99,29 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def load_tensor(path: str | Path) -> np.ndarray:
-    """The tensor in a `torch.save` file as a numpy array (floating point of two bytes as float32).
-    Raises pickle.UnpicklingError when the pickle names anything a tensor's does not, NotATensor
-    when it holds no single tensor or one its storage cannot hold, zipfile.BadZipFile or KeyError
-    when the file is not one torch.save writes."""
+def load_tensor(path: str | Path, expect: Callable[[tuple[int, ...], int], None] = lambda shape, itemsize: None
+                ) -> np.ndarray:
+    """The tensor in a `torch.save` file as a numpy array (floating point of two bytes as float32),
+    `expect(shape, element size)` called before its storage is read (it raises where the tensor is
+    not the one wanted). Raises pickle.UnpicklingError when the pickle names anything a tensor's
+    does not, NotATensor when it holds no single tensor or one its storage cannot hold, or an entry
+    larger than the file (torch.save stores its entries uncompressed), zipfile.BadZipFile or
+    KeyError when the file is not one torch.save writes."""
     with zipfile.ZipFile(path) as archive:
         pickled = next((name for name in archive.namelist() if name.endswith("/data.pkl")), None)
         if pickled is None:
             raise NotATensor("no data.pkl: not a file torch.save writes")
         prefix = pickled[:-len("data.pkl")]
         try:
-            tensor = _TensorUnpickler(io.BytesIO(archive.read(pickled))).load()
+            tensor = _TensorUnpickler(io.BytesIO(_entry(archive, pickled, path))).load()
         except (TypeError, IndexError, AttributeError, OverflowError, RecursionError) as error:
             raise NotATensor(f"a pickle no tensor makes ({type(error).__name__})") from None
         if not isinstance(tensor, _Tensor) or not isinstance(tensor.storage, _Storage):
             raise NotATensor(f"holds a {type(tensor).__name__}, not a tensor")
-        raw = archive.read(f"{prefix}data/{tensor.storage.key}")
-    bfloat16 = tensor.storage.dtype == BFLOAT16
-    dtype = np.dtype(np.uint16 if bfloat16 else tensor.storage.dtype).newbyteorder("<")
+        bfloat16 = tensor.storage.dtype == BFLOAT16
+        dtype = np.dtype(np.uint16 if bfloat16 else tensor.storage.dtype).newbyteorder("<")
+        expect(tensor.shape, dtype.itemsize)
+        raw = _entry(archive, f"{prefix}data/{tensor.storage.key}", path)
     flat = np.frombuffer(raw, dtype)
     if not _fits(tensor, len(flat)):
         raise NotATensor(f"a tensor of shape {tensor.shape} that its storage of {len(flat)} elements cannot hold")
