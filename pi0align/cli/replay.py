@@ -35,7 +35,7 @@ def main(args: argparse.Namespace) -> int:
     from pi0align.compare.measuring.replayed import RESULT_ROLES, RecordedCalls
     from pi0align.errors import UserError
     from pi0align.replay import replay
-    from pi0align.report.formatting import format_number
+    from pi0align.report.formatting import ShortNames, format_number
 
     if args.step is not None and len(args.step) != 1:
         raise UserError("--step takes one step")
@@ -46,7 +46,7 @@ def main(args: argparse.Namespace) -> int:
     direction = args.direction or kind
     step = args.step[0] if args.step else None
     paths = [args.dump] + ([args.against] if args.against else [])
-    results, units, conditions, checksums = [], [], [], []
+    results, units, conditions, checksums, modules = [], [], [], [], set()
     for path in paths:
         runs = _open_holding(path, args.name, step, direction, args.rank)
         try:
@@ -61,6 +61,7 @@ def main(args: argparse.Namespace) -> int:
                                 + (f" at step {step}" if step is not None else ""))
             step = found[0]
             records = dump.records
+            modules.update(records["module"].tolist())
             mine = (records["step"] == found[0]) & (records["call"] == found[1])
             if direction == "data":  # read, not computed: nothing to replay, its bits tell
                 checksums.append(int(records["checksum"][mine][0]))
@@ -82,8 +83,9 @@ def main(args: argparse.Namespace) -> int:
     console = Console()
     if direction == "data":
         return _batch(console, args.name, step, paths, checksums)
-    table = Table(title=f"{args.name} · step {step} · {direction}: local error against float64",
-                  title_justify="left")
+    about = f" · step {step} · {direction}: local error against float64"
+    name = ShortNames(modules).name(args.name, max(console.width - len(about), 24))  # whole parts, never cut
+    table = Table(title=name + about, title_justify="left")
     table.add_column("result", justify="right")
     for label in ("A", "B")[:len(results)]:
         table.add_column(f"{label} ({paths[0 if label == 'A' else 1]})", justify="right", overflow="fold")

@@ -98,14 +98,11 @@ def _verdict_panel(comparison: Comparison) -> Panel:
 
 def _first_divergence(title: str, call: CallRef, names: ShortNames, width: int) -> Panel:
     inside = width - 4  # the panel's borders and padding
-    api = f"api {call.api}  "
-    name = names.name(call.name, inside - len(api) - len("name "))
     body = Text.assemble(
         ("kind ", "dim"), (call.kind, "bold"), ("  step ", "dim"), str(call.step), ("  direction ", "dim"),
         call.direction, ("  rank ", "dim"), str(call.rank), "\n",
         ("module ", "dim"), (names.module(call.module, inside - len("module ")) or "(top level)", "bold"), "\n",
-        ("api ", "dim"), (call.api, "bold"), ("  name " if len(api) + len(name) + 5 <= inside else "\nname ", "dim"),
-        name if len(api) + len(name) + 5 <= inside else names.name(call.name, inside - len("name ")),
+        ("api ", "dim"), (call.api, "bold"), "\n", ("name ", "dim"), names.name(call.name, inside - len("name ")),
     )
     for frame in reversed(call.stack):  # innermost first: the line the user should open
         body.append("\n  at " + short_frame(relative_frame(frame), inside - len("  at ")), style="cyan")
