@@ -9,4 +9,8 @@ def __getattr__(name: str):
         from pi0align.dump import Dumper
 
         return Dumper
+    if name == "audit":  # one run judged alone (pi0align/auditing)
+        from pi0align.auditing import audit
+
+        return audit
     raise AttributeError(f"module 'pi0align' has no attribute {name!r}")

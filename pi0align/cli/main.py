@@ -34,6 +34,8 @@ COMMANDS = {
     "prepare": ("pi0align.cli.prepare", "fetch or check the weights, tokenizer and dataset a real run needs"),
     "compare": ("pi0align.cli.compare", "align two dumps, measure, judge and name the call that introduced the error"),
     "replay": ("pi0align.cli.replay", "replay one dumped call in float64 and print each side's local error"),
+    "audit": ("pi0align.cli.audit", "one run judged alone: where its first NaN/Inf came from, each call against "
+                                    "float64"),
     "env-diff": ("pi0align.cli.env_diff", "are two runs set up alike: versions, switches, config, weights, data"),
     "curves": ("pi0align.cli.curves", "loss curves of runs side by side, and where they part"),
     "check": ("pi0align.cli.check", "a run against a baseline's curve, final loss and throughput"),

@@ -7,6 +7,10 @@ gradients flowing into its outputs are pushed back through it; the local error o
 flowing out to an input is measured the same way. The optimizer's update of a parameter
 (`Optimizer.step`) is recomputed from its recorded parameter, gradient, states and
 hyper-parameters (optimizer.py).
+
+Asked (`kernel=True`), the same call also runs through this CPU's own kernel in the recorded
+dtypes, from the same inputs: that kernel's local error is the rounding a sound kernel puts on
+those very inputs (a long sum, terms that cancel), what `audit` holds a run alone to.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class RecordedCall:
     inputs: dict[int, np.ndarray]  # the forward call's inputs
     results: dict[int, np.ndarray]  # forward: outputs; backward: gradients flowing out to inputs
     grad_outputs: dict[int, np.ndarray] | None = None  # backward: gradients flowing into outputs
+    dtypes: dict[int, str] = field(default_factory=dict)  # the inputs' recorded dtypes (bfloat16 read as float32)
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,7 @@ class Replayed:
 
     errors: dict[int, float] = field(default_factory=dict)
     reason: str = ""
+    kernel_errors: dict[int, float] = field(default_factory=dict)  # this CPU's kernel's, where asked
 
     def __bool__(self) -> bool:
         return not self.reason
@@ -52,9 +58,18 @@ class Replayed:
         """The largest local error of the call's results."""
         return max(self.errors.values(), default=math.nan)
 
+    @property
+    def kernel_error(self) -> float:
+        """The largest local error of this CPU's own kernel on the same inputs (NaN: not run)."""
+        return max(self.kernel_errors.values(), default=math.nan)
 
-def replay(call: RecordedCall) -> Replayed:
-    """Replay `call` on the CPU in float64; never raises for a call that cannot be replayed."""
+
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def replay(call: RecordedCall, kernel: bool = False) -> Replayed:
+    """Replay `call` on the CPU in float64 (and, `kernel`, through this CPU's kernel in the
+    recorded dtypes); never raises for a call that cannot be replayed."""
     try:
         func = None if call.api == OPTIMIZER_API else resolve(call.api)
         if not call.args:
@@ -67,13 +82,7 @@ def replay(call: RecordedCall) -> Replayed:
             raise NotReplayable("inputs not dumped in full")
         with torch.no_grad():
             inputs = [_as_float64(call.inputs[i]) for i in range(count)]
-        if func is None:
-            updated = replay_update(described, inputs)
-            references = [updated.get(i) for i in range(1 + max(updated))]
-        elif call.grad_outputs is None:
-            references = _forward(func, described, inputs)
-        else:
-            references = _backward(func, described, inputs, call)
+        references = _results(func, described, inputs, call)
         errors = {}
         for index, recorded in call.results.items():
             if index >= len(references) or references[index] is None:
@@ -83,12 +92,37 @@ def replay(call: RecordedCall) -> Replayed:
                 raise NotReplayable(f"replayed result {index} has shape {list(reference.shape)}, "
                                     f"recorded {list(recorded.shape)}")
             errors[index] = local_error(torch.from_numpy(np.asarray(recorded)), reference.detach())
-        return Replayed(errors)
+        return Replayed(errors, kernel_errors=_kernel_errors(func, described, call, references) if kernel else {})
     except NotReplayable as why:
         return Replayed(reason=str(why))
     except Exception as error:  # noqa: BLE001 - whatever torch raises, the compare goes on
         text = str(error).strip().splitlines()
         return Replayed(reason=f"replay failed: {type(error).__name__}: {text[0][:120] if text else ''}")
+
+
+def _results(func, described: dict, inputs: list[torch.Tensor], call: RecordedCall) -> list[torch.Tensor | None]:
+    """The call's results recomputed from `inputs` (in whatever dtypes they are)."""
+    if func is None:
+        updated = replay_update(described, inputs)
+        return [updated.get(i) for i in range(1 + max(updated))]
+    if call.grad_outputs is None:
+        return _forward(func, described, inputs)
+    return _backward(func, described, inputs, call)
+
+
+def _kernel_errors(func, described: dict, call: RecordedCall, references: list) -> dict[int, float]:
+    """This CPU's kernel's local error per result, from the recorded inputs in their recorded
+    dtypes; empty where it cannot run there (a dtype the CPU has no kernel for)."""
+    try:
+        with torch.no_grad():
+            inputs = [torch.from_numpy(np.array(call.inputs[i])) for i in range(len(call.inputs))]
+            inputs = [x.to(_DTYPES.get(call.dtypes.get(i, ""), x.dtype)) if x.is_floating_point() else x
+                      for i, x in enumerate(inputs)]
+        results = _results(func, described, inputs, call)
+        return {index: local_error(results[index].detach(), references[index].detach())
+                for index in call.results if index < len(results) and results[index] is not None}
+    except Exception:  # noqa: BLE001 - no kernel here: the call is held to its standard alone
+        return {}
 
 
 def local_error(recorded: torch.Tensor, reference: torch.Tensor) -> float:
@@ -158,7 +192,7 @@ def _backward(func, described: dict, inputs: list[torch.Tensor], call: RecordedC
         raise NotReplayable("no gradient reaches the replayed outputs")
     order = sorted(leaves)
     grads = torch.autograd.grad([o for o, _ in pairs], [leaves[i] for i in order],
-                                [g.reshape(o.shape) for o, g in pairs], allow_unused=True)
+                                [g.reshape(o.shape).to(o.dtype) for o, g in pairs], allow_unused=True)
     references: list[torch.Tensor | None] = [None] * len(inputs)
     for i, grad in zip(order, grads):
         references[i] = torch.zeros_like(leaves[i]) if grad is None else grad

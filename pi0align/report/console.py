@@ -12,18 +12,11 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from pi0align.compare.result import CallRef, Comparison, Culprit
+from pi0align.compare.result import Comparison
 from pi0align.compare.table import isin
+from pi0align.report.culprits import call_panel, print_culprits
 from pi0align.report.envdiff_table import env_diff_table, env_diff_verdict
-from pi0align.report.formatting import (
-    ShortNames,
-    coverage_text,
-    fit_left,
-    format_number,
-    innermost_frame,
-    relative_frame,
-    short_frame,
-)
+from pi0align.report.formatting import ShortNames, coverage_text
 from pi0align.report.summary import verdict_counts
 from pi0align.runs.envdiff import env_diff_of
 
@@ -41,15 +34,9 @@ def print_summary(comparison: Comparison, console: Console, *, top: int = 10) ->
     for title, call in (("first divergence", comparison.first_divergence),
                         ("first divergence in backward", comparison.first_divergence_backward)):
         if call is not None:
-            console.print(_first_divergence(title, call, names, console.width))
-    if comparison.culprits and top > 0:
-        console.print(_culprit_table(comparison, top, console.width, names))
-        console.print(Text("top culprit: ", style="bold") + Text(broken_bound_text(comparison.culprits[0])))
-    if comparison.culprit_groups:
-        console.print(_groups_table(comparison))
-        for group in comparison.culprit_groups:
-            if group.hint:
-                console.print(Text(f"hint ({group.api}): ", style="bold magenta") + Text(names.in_text(group.hint)))
+            console.print(call_panel(title, call, names, console.width))
+    print_culprits(console, comparison.culprits, comparison.culprit_groups, top, names,
+                   "blame: local error ratio (replay), else introduced error")
     one_sided = _one_sided_table(comparison, names, console.width)
     if one_sided is not None:
         console.print(one_sided)
@@ -60,18 +47,6 @@ def print_summary(comparison: Comparison, console: Console, *, top: int = 10) ->
         console.print(Text("set-up: ", style="bold") + Text(env_diff_verdict(set_up)))
     for note in comparison.notes:
         console.print(Text("note: ", style="bold yellow") + Text(names.in_text(note)))
-
-
-def broken_bound_text(culprit: Culprit) -> str:
-    """Which bound a culprit broke, and by how much."""
-    if not culprit.bound > 0:
-        return culprit.bound_by
-    if culprit.evidence == "replay":
-        what, measured = "local error", culprit.local_error_b if culprit.wrong_side == "B" else culprit.local_error_a
-    else:
-        what, measured = "error", culprit.introduced_error * culprit.bound
-    return (f"{what} {format_number(measured)}, {format_number(measured / culprit.bound)}× its bound "
-            f"{format_number(culprit.bound)}: {culprit.bound_by}")
 
 
 def _verdict_panel(comparison: Comparison) -> Panel:
@@ -94,60 +69,6 @@ def _verdict_panel(comparison: Comparison) -> Panel:
                                                  comparison.rank_verdicts.items())))
     return Panel(Group(*lines), title=Text("pi0align compare"), border_style="green" if aligned else "red",
                  expand=False)
-
-
-def _first_divergence(title: str, call: CallRef, names: ShortNames, width: int) -> Panel:
-    inside = width - 4  # the panel's borders and padding
-    body = Text.assemble(
-        ("kind ", "dim"), (call.kind, "bold"), ("  step ", "dim"), str(call.step), ("  direction ", "dim"),
-        call.direction, ("  rank ", "dim"), str(call.rank), "\n",
-        ("module ", "dim"), (names.module(call.module, inside - len("module ")) or "(top level)", "bold"), "\n",
-        ("api ", "dim"), (call.api, "bold"), "\n", ("name ", "dim"), names.name(call.name, inside - len("name ")),
-    )
-    for frame in reversed(call.stack):  # innermost first: the line the user should open
-        body.append("\n  at " + short_frame(relative_frame(frame), inside - len("  at ")), style="cyan")
-    return Panel(body, title=Text(title), border_style="red", expand=False)
-
-
-# a call's direction in the culprit table's kind column (any other direction is printed whole)
-_SHORT_DIRECTIONS = {"forward": "fwd", "backward": "bwd", "update": "upd"}
-# culprit table columns of fixed width: #, step, kind, judged by, blame (and a space between each)
-_CULPRIT_FIXED = 3 + 5 + 13 + 10 + 9
-
-
-def _culprit_table(comparison: Comparison, top: int, width: int, names: ShortNames) -> Table:
-    """One line a culprit (its call, then its module where both do not fit on one), and its call
-    site on the next, at any width from 80 columns: long module paths lose whole parts from their
-    start ("…model.layers.1.mlp.gate_proj"), keeping the tail that tells calls apart."""
-    table = Table(title=f"top culprits ({min(top, len(comparison.culprits))} of {len(comparison.culprits)})",
-                  title_justify="left", box=None, pad_edge=False, padding=(0, 1, 0, 0),
-                  caption="blame: local error ratio (replay), else introduced error",
-                  caption_justify="left")
-    for column in ("#", "step", "kind", "judged by", "blame"):
-        table.add_column(column, justify="right" if column in ("#", "step", "blame") else "left", no_wrap=True)
-    call_width = max(20, width - _CULPRIT_FIXED)
-    table.add_column("call · call site", no_wrap=True, overflow="crop", max_width=call_width)
-    for place, culprit in enumerate(comparison.culprits[:top], start=1):
-        kind = culprit.kind if culprit.kind != "call" else \
-            f"call {_SHORT_DIRECTIONS.get(culprit.direction, culprit.direction)}"
-        blame = culprit.local_ratio if culprit.evidence == "replay" else culprit.introduced_error
-        side = f" {culprit.wrong_side}" if culprit.wrong_side else ""
-        call = Text(names.label(culprit.name, call_width), style="bold")
-        if culprit.stack:
-            call.append("\n" + short_frame(relative_frame(innermost_frame(culprit.stack)), call_width), style="cyan")
-        table.add_row(str(place), str(culprit.step), kind, culprit.evidence + side, format_number(blame), call)
-    return table
-
-
-def _groups_table(comparison: Comparison) -> Table:
-    table = Table(title=f"culprit groups ({len(comparison.culprit_groups)})", title_justify="left", box=None,
-                  pad_edge=False, padding=(0, 1, 0, 0))
-    for column in ("kind", "API", "culprits", "of calls", "introducing", "median blame"):
-        table.add_column(column, justify="left" if column in ("kind", "API") else "right", no_wrap=True)
-    for group in comparison.culprit_groups:
-        table.add_row(group.kind, fit_left(group.api, 36), str(group.count), str(group.calls),
-                      f"{group.share_introducing:.0%}", format_number(group.median_ratio))
-    return table
 
 
 def _one_sided_table(comparison: Comparison, names: ShortNames, width: int) -> Table | None:

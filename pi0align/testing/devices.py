@@ -82,13 +82,15 @@ def _tf32(value):
 class Fault(TorchFunctionMode):
     """The `index`-th call of `func` inside each forward of `module` returns its result × `factor`
     (`backward`: returns it exactly, and its gradient × `factor`): one faulty kernel, in the
-    module's first `forwards` forwards only when given (a fault at step 0 alone). Made, it wraps
-    the module's forward (to know when it runs) until `detach()`."""
+    module's first `forwards` forwards only when given (a fault at step 0 alone), from its
+    `first`-th forward on (1: from the start; 2: from step 1 on). Made, it wraps the module's
+    forward (to know when it runs) until `detach()`."""
 
     def __init__(self, module: torch.nn.Module, func, index: int = 0, factor: float = 1.03,
-                 backward: bool = False, forwards: int | None = None) -> None:
+                 backward: bool = False, forwards: int | None = None, first: int = 1) -> None:
         super().__init__()
         self.func, self.index, self.factor, self.backward, self.forwards = func, index, factor, backward, forwards
+        self.first = first
         self.module, self._depth, self._seen, self._forwards_seen = module, 0, 0, 0
         original = module.forward
 
@@ -114,7 +116,8 @@ class Fault(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
-        if self._depth and func is self.func and (self.forwards is None or self._forwards_seen <= self.forwards):
+        if self._depth and func is self.func and self._forwards_seen >= self.first and (
+                self.forwards is None or self._forwards_seen <= self.forwards):
             self._seen += 1
             if self._seen == self.index + 1 and isinstance(result, torch.Tensor):
                 if self.backward:

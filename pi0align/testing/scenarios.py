@@ -23,10 +23,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class Emulation:
     """How the emulated device differs from the CPU: results moved by up to `ulp_noise` ulps,
     matmul inputs in TF32, one faulty call (module path, function name, index, factor), its
-    gradient alone off (`fault_backward`), in the module's first `fault_forwards` forwards only;
-    an Adam kernel computing with another epsilon (`adam_eps`) or learning rate (× `adam_lr_scale`)
-    than its settings say; every call of a function off (`every`); a number drawn before each
-    call of a random function (`draw_before`: its draws from another generator state)."""
+    gradient alone off (`fault_backward`), in the module's first `fault_forwards` forwards only,
+    from its `fault_first_forward`-th on; an Adam kernel computing with another epsilon
+    (`adam_eps`) or learning rate (× `adam_lr_scale`) than its settings say; every call of a
+    function off (`every`); a number drawn before each call of a random function (`draw_before`:
+    its draws from another generator state)."""
 
     ulp_noise: int = 0
     ulp_seed: int = 1
@@ -34,6 +35,7 @@ class Emulation:
     fault: tuple[str, str, int, float] | None = None
     fault_backward: bool = False
     fault_forwards: int | None = None
+    fault_first_forward: int = 1  # the module's forward (1 = its first) from which the fault strikes
     adam_eps: float | None = None
     adam_lr_scale: float = 1.0
     every: tuple[str, float] | None = None  # (function name, factor): every call of it off
@@ -50,7 +52,7 @@ class Emulation:
         if self.fault is not None:
             path, function, index, factor = self.fault
             fault = Fault(model.get_submodule(path), FUNCTIONS[function], index, factor,
-                          backward=self.fault_backward, forwards=self.fault_forwards)
+                          backward=self.fault_backward, forwards=self.fault_forwards, first=self.fault_first_forward)
             modes.append(fault)
         if self.every is not None:
             modes.append(EveryCall(FUNCTIONS[self.every[0]], self.every[1]))
@@ -198,6 +200,7 @@ class Pi0Run:
     seed: int = 1234
     steps: int = 2  # trained and dumped
     level: str = "mix"
+    batch_nan_at: int | None = None  # the step whose batch holds a NaN (its state's first element)
 
 
 def dump_pi0(path: str | Path, run: Pi0Run) -> Path:
@@ -233,6 +236,8 @@ def _train_dumped(path: Path, run: Pi0Run, config, device) -> None:
                                        perturb_seed=run.seed + 7, manifest=components["manifest"]) as dumper:
         for step in range(config.steps):
             batch = components["preprocessor"](next(batches))
+            if step == run.batch_nan_at:
+                batch["observation.state"][0, 0] = float("nan")
             dumper.start(policy, step=step, optimizer=optimizer)
             lr = optimizer.param_groups[0]["lr"]
             loss, grad_norm = train_step(policy, batch, optimizer, scheduler, clip)

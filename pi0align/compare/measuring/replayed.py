@@ -125,8 +125,10 @@ class RecordedCalls:
             grad_outputs = self._tensors(step, call, "grad_output") if direction == "backward" else None
         except LookupError as why:
             return str(why)
+        dtypes = {int(records["arg_index"][i]): str(records["dtype"][i])
+                  for i in self.records_of.get((step, forward), []) if records["role"][i] == "input"}
         return RecordedCall(api=str(records["api"][first]), args=self.dump.args_reader(step, forward),
-                            inputs=inputs, results=results, grad_outputs=grad_outputs)
+                            inputs=inputs, results=results, grad_outputs=grad_outputs, dtypes=dtypes)
 
     def _tensors(self, step: int, call: int, role: str) -> dict[int, np.ndarray]:
         records = self.dump.records
