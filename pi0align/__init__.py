@@ -13,4 +13,8 @@ def __getattr__(name: str):
         from pi0align.auditing import audit
 
         return audit
+    if name == "bisect":  # from "the curves part" to the step and the call (pi0align/bisecting)
+        from pi0align.bisecting import bisect
+
+        return bisect
     raise AttributeError(f"module 'pi0align' has no attribute {name!r}")

@@ -36,6 +36,8 @@ COMMANDS = {
     "replay": ("pi0align.cli.replay", "replay one dumped call in float64 and print each side's local error"),
     "audit": ("pi0align.cli.audit", "one run judged alone: where its first NaN/Inf came from, each call against "
                                     "float64"),
+    "bisect": ("pi0align.cli.bisect", "from where two runs' curves part to the step and the call that computes "
+                                      "differently"),
     "env-diff": ("pi0align.cli.env_diff", "are two runs set up alike: versions, switches, config, weights, data"),
     "curves": ("pi0align.cli.curves", "loss curves of runs side by side, and where they part"),
     "check": ("pi0align.cli.check", "a run against a baseline's curve, final loss and throughput"),

@@ -7,8 +7,10 @@ far this model carries rounding, record by record. It is a reference, not a trai
 
 What is moved: each fresh floating tensor a torch call returns (results that alias an input, such
 as views and in-place calls, are left as they are: they involve no rounding), and, through a small
-autograd function, the gradient that flows back into it. Zeros, infinities and NaNs stay; a move
-that would leave the finite range is not made. The draws come from a generator of their own,
+autograd function, the gradient that flows back into it. Zeros, whole numbers a float holds
+exactly (every device computes a count, a position, a cumulative sum of a mask exactly: moved, PI0's
+attention masks, made by comparing cumulative sums, would change), infinities and NaNs stay; a
+move that would leave the finite range is not made. The draws come from a generator of their own,
 seeded, so the run's own random numbers (data order, noise) are untouched.
 """
 
@@ -22,6 +24,8 @@ from pi0align.dump.arguments import tensors_of
 _quiet = torch._C.DisableTorchFunction  # the mode's own tensor work is not moved again
 _BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
          torch.float16: torch.int16}  # an integer of the float's width, to move its bits
+# below this, every whole number a float holds is exact, and so is a device's sum of them: 2^precision
+_EXACT_WHOLE = {torch.float64: 2.0**53, torch.float32: 2.0**24, torch.bfloat16: 2.0**8, torch.float16: 2.0**11}
 
 
 class UlpMover:
@@ -42,7 +46,8 @@ class UlpMover:
             steps = torch.randint(-self.ulps, self.ulps + 1, values.shape, generator=self._generator(values.device),
                                   device=values.device, dtype=bits_dtype)
             moved = (values.view(bits_dtype) + steps).view(values.dtype)
-            keep = (values == 0) | ~torch.isfinite(values) | ~torch.isfinite(moved)
+            whole = (values == torch.round(values)) & (values.abs() < _EXACT_WHOLE[values.dtype])
+            keep = whole | ~torch.isfinite(values) | ~torch.isfinite(moved)
             keep |= torch.signbit(moved) != torch.signbit(values)  # past zero: not a move by ulps
             return torch.where(keep, values, moved)
 

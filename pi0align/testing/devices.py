@@ -12,6 +12,8 @@ only: the reference moves gradients too.
 from __future__ import annotations
 
 import contextlib
+import sys
+import weakref
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -187,3 +189,70 @@ def adam_kernel(eps: float | None = None, lr_scale: float = 1.0):
         yield
     finally:
         adam_functions._single_tensor_adam = original
+
+
+class EmulatedDevice(TorchFunctionMode):
+    """A device pushed into every Python process a command starts (`device_site/sitecustomize.py`,
+    on PYTHONPATH, with its description as JSON in PI0ALIGN_EMULATED_DEVICE), for the tests of a
+    tool that runs the training itself (`bisect`). The `index`-th call of `function` in each forward
+    of `module` (a path in the PI0 policy whose forward is on the stack; calls outside one, such as a
+    replay's, are left as they are) is, once the policy's optimizer has made `from_update` updates
+    (its Adam step count, restored from a checkpoint: a fault that strikes from some state on),
+    `factor` × itself, or, `nondeterministic`, moved by up to that relative amount drawn from the
+    operating system's entropy (two runs of one step differ there)."""
+
+    def __init__(self, module: str, function: str, index: int = 0, factor: float = 1.0, from_update: int = 0,
+                 nondeterministic: float = 0.0) -> None:
+        super().__init__()
+        self.path, self.func, self.index, self.factor = module, _FUNCTIONS[function], index, factor
+        self.from_update, self.nondeterministic = from_update, nondeterministic
+        self.module: torch.nn.Module | None = None
+        self._forward, self._seen = None, 0  # the module's forward running, and the calls seen in it
+        self.optimizers = weakref.WeakSet()  # every optimizer made from now on (the run's is one)
+        made = torch.optim.Optimizer.__init__
+
+        def remember(optimizer, *args, **kwargs):
+            made(optimizer, *args, **kwargs)
+            self.optimizers.add(optimizer)
+
+        torch.optim.Optimizer.__init__ = remember
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        forward = self._module_forward() if func is self.func else None
+        if forward is None:
+            return result
+        if forward is not self._forward:  # another forward of the module: count from its start
+            self._forward, self._seen = forward, 0
+        self._seen += 1
+        if self._seen != self.index + 1 or self._updates() < self.from_update or not isinstance(result, torch.Tensor):
+            return result
+        factor = self.factor
+        if self.nondeterministic:
+            import os
+
+            factor = 1.0 + self.nondeterministic * (int.from_bytes(os.urandom(2), "little") / 65535 - 0.5)
+        with _quiet():
+            return _times(result, factor)
+
+    def _module_forward(self):
+        """The frame of the module's forward this call runs in, None outside one (finding the module
+        in the PI0 policy whose forward is on the stack, the first time)."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if self.module is None and type(owner).__name__ == "PI0Policy":
+                self.module = owner.get_submodule(self.path)
+                return self._module_forward()
+            if owner is not None and owner is self.module and frame.f_code.co_name == "forward":
+                return frame
+            frame = frame.f_back
+        return None
+
+    def _updates(self) -> int:
+        """The updates the run's optimizer has made: its Adam step count."""
+        return max((int(state["step"]) for optimizer in list(self.optimizers) for state in optimizer.state.values()
+                    if "step" in state), default=0)
+
+
+_FUNCTIONS = {"gelu": F.gelu, "softmax": F.softmax, "linear": F.linear}
