@@ -32,12 +32,14 @@ FLOOR = 16 * UNIT_ROUNDOFF["float32"]
 
 
 def bisect(a: str | Path, b: str | Path, *, out: str | Path | None = None, tolerance: float = TOLERANCE,
-           device: str | None = None, report: Callable[[Probe, Bound | None], None] | None = None) -> Bisection:
+           device: str | None = None, report: Callable[[Probe, Bound | None], None] | None = None,
+           starting: Callable[[int, str], None] | None = None) -> Bisection:
     """Bisect B against A's checkpoints on this device (`device`: B's, from its manifest, unless
     given), keeping every probe under `out` (default `<B>/bisect`): a bisect run again there reads
     the probes it finished back. `tolerance`: the relative loss error where B's curve leaves A's
     band (`curves`' rule), which bounds the checkpoints searched. `report(probe, bound)`: called as
-    each probe finishes (the bound None while it is being measured). Bad input: UserError."""
+    each probe finishes (the bound None while it is being measured); `starting(step, kind)` as
+    each begins. Bad input: UserError."""
     runs = read_runs(a, b, tolerance, device)
     out = Path(out) if out is not None else runs.under_test / "bisect"
     try:
@@ -53,6 +55,8 @@ def bisect(a: str | Path, b: str | Path, *, out: str | Path | None = None, toler
 
     def probe(step: int, kind: str = "device", again: str = "") -> Probe:
         """A probe at `step`, its folder named by step and kind (`again`: a second of its kind)."""
+        if starting is not None:
+            starting(step, kind)
         found = run_probe(runs.reference, step, out / "probes" / f"{step:06d}-{kind}{again}", kind,
                           logged=runs.logged, device=runs.device, threads=runs.threads,
                           label=f" ({kind}{again})")

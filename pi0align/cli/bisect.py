@@ -38,8 +38,10 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         check_writable(args.json)
     console = Console(emoji=False)
-    result = bisect(args.reference, args.under_test, out=args.out, tolerance=args.tolerance, device=args.device,
-                    report=lambda probe, bound: console.print(probe_line(probe, bound)))
+    with console.status("reading the runs") as status:  # drawn on a terminal only
+        result = bisect(args.reference, args.under_test, out=args.out, tolerance=args.tolerance, device=args.device,
+                        report=lambda probe, bound: console.print(probe_line(probe, bound)),
+                        starting=lambda step, kind: status.update(f"one step from step {step} ({kind})"))
     if args.json:
         from pi0align.report.bisect_json import write_bisection_json
 
