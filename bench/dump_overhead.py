@@ -69,7 +69,8 @@ def folder_bytes(path: Path) -> int:
 
 def build(args, work: Path):
     """(policy, optimizer, step): a training step of one fixed preprocessed batch, as `pi0align run`
-    trains it on `args.device`, returning when the device is done with it."""
+    trains it on `args.device`, returning when the device is done with it (`step(after_backward)`:
+    with a call between the backward and the optimizer's step)."""
     import torch
 
     from pi0align.device import resolve
@@ -87,8 +88,8 @@ def build(args, work: Path):
     batch = parts["preprocessor"](next(iter(loader)))
     policy, optimizer, scheduler = parts["policy"], parts["optimizer"], parts["scheduler"]
 
-    def step():
-        train_step(policy, batch, optimizer, scheduler, policy.config.optimizer_grad_clip_norm)
+    def step(after_backward=None):
+        train_step(policy, batch, optimizer, scheduler, policy.config.optimizer_grad_clip_norm, after_backward)
         device.synchronize()
 
     return policy, optimizer, step

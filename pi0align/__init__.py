@@ -9,6 +9,14 @@ def __getattr__(name: str):
         from pi0align.dump import Dumper
 
         return Dumper
+    if name == "Monitor":  # every module at every step (pi0align/dump/monitor.py)
+        from pi0align.dump.monitor import Monitor
+
+        return Monitor
+    if name == "load_monitor":  # runs' monitors as one DataFrame (pi0align/runs/monitor.py)
+        from pi0align.runs.monitor import load_monitor
+
+        return load_monitor
     if name == "audit":  # one run judged alone (pi0align/auditing)
         from pi0align.auditing import audit
 

@@ -14,9 +14,9 @@ pip() { .venv/bin/python -m pip "$@"; }
 pip install -q --upgrade "pip>=24"
 # torch and torchvision as a matched pair, first, so nothing below can pull another torch.
 pip install -q -c constraints.txt torch torchvision
-extras=msprobe,notebooks
-[ "${1:-}" = scale ] && extras="msprobe,notebooks,scale"
-[ "${1:-}" = test ] && extras="msprobe,notebooks,scale,test"
+extras=msprobe,notebooks,tensorboard
+[ "${1:-}" = scale ] && extras="msprobe,notebooks,tensorboard,scale"
+[ "${1:-}" = test ] && extras="msprobe,notebooks,tensorboard,scale,test"
 pip install -q -c constraints.txt -e ".[${extras}]"
 # LeRobot pins torch<2.11, which excludes the torch here: its real needs are in pyproject.toml.
 pip install -q -c constraints.txt --no-deps lerobot

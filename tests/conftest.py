@@ -131,3 +131,19 @@ def browser():
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield browser
         browser.close()
+
+
+@contextlib.contextmanager
+def offline_page(browser, page_file: Path):
+    """`page_file` opened in a fresh browser context that may load `file:` URLs only; after the
+    block, nothing else was asked for and no script of the page failed."""
+    context = browser.new_context()
+    blocked, errors = [], []
+    context.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:") else (
+        blocked.append(route.request.url), route.abort()))
+    page = context.new_page()
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.goto(page_file.as_uri())
+    yield page
+    context.close()
+    assert blocked == [] and errors == []

@@ -70,12 +70,14 @@ def test_a_step_that_differs_run_to_run_is_non_determinism_at_its_call_not_a_ker
 
 
 def test_a_fault_from_some_state_on_is_found_at_its_first_checkpoint_and_named_after_a_resume(runs, tmp_path):
-    """The gelu 3 % off from the 22nd update: checkpoint 25 the first beyond the bound (20 within),
-    that gelu the culprit (by audit: A's folder holds no dump), exit 1, a search of few probes. The
-    bisect is killed once two probes finished; run again, it reads them back, not running them."""
+    """The gelu 3 % off from the 22nd update: B's loss stays within 1 % of A's, yet its monitor's
+    first module to part, that gelu's layer at step 22, ends the search at checkpoint 25, the first
+    beyond the bound (20 within); that gelu the culprit (by audit, A's folder holds no dump, of a
+    dump of that layer alone), exit 1, a search of few probes. The bisect is killed once two probes
+    finished; run again, it reads them back, not running them."""
     out = tmp_path / "out"
     command = [sys.executable, "-m", "pi0align.cli.main", "bisect", str(runs["A"]), str(runs["B"]), "--tolerance",
-               "1e-6", "--out", str(out), "--json", str(tmp_path / "b.json")]
+               "1e-2", "--out", str(out), "--json", str(tmp_path / "b.json")]
     environment = {**os.environ, **device(FAULT), "COLUMNS": "80"}
     process = subprocess.Popen(command, cwd=REPO, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     finished = []
@@ -93,13 +95,17 @@ def test_a_fault_from_some_state_on_is_found_at_its_first_checkpoint_and_named_a
     reused = {os.path.basename(probe["folder"]) for probe in found["probes"] if probe["reused"]}
     assert set(kept) <= reused, (kept, reused)
     assert all((out / "probes" / name / "summary.json").stat().st_mtime_ns == mtime for name, mtime in kept.items())
-    assert found["parts_at"] == 22 and found["first_checkpoint_beyond"] == 25
+    assert found["parts_at"] is None and found["first_checkpoint_beyond"] == 25
+    first = found["first_module"]
+    assert (first["module"], first["step"]) == (EXPERT_GELU.removesuffix(".mlp"), 22), first
+    assert found["searched"] == [5, 10, 15, 20, 25]  # not to 40: the monitor parts before the loss
     verdicts = {probe["step"]: probe["verdict"] for probe in found["probes"] if probe["kind"] == "device"}
     assert verdicts[20] == "within" and verdicts[25] == "beyond", found["probes"]
     assert len(found["probes"]) <= 8 and not found["nondeterministic"]
     culprit = found["culprit"]
     assert (culprit["name"], culprit["kind"], culprit["step"]) == (GELU_CALL, "call", 25), culprit
-    assert "audit" in found["judged_by"] and any("--from" in command for command in found["commands"])
+    assert "audit" in found["judged_by"] and "narrowed to" in found["judged_by"]
+    assert any("--from" in command for command in found["commands"])
     assert "A STEP COMPUTES DIFFERENTLY" in done.stdout
 
 

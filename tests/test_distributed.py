@@ -9,12 +9,15 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import REPO, assert_one_line_error, run_cli
 
 from pi0align.compare import compare_dumps, engine
+from pi0align.compare.reading.read_monitor import read_monitor
 from pi0align.device import resolve
+from pi0align.dump.monitor_file import QUANTITIES
 from pi0align.errors import UserError
 from pi0align.runs.envdiff import DIFFERS, MATTERS, env_diff
 from pi0align.runs.folder import read_run
@@ -52,6 +55,15 @@ def test_two_processes_write_a_dump_per_rank_and_one_summary(two_process_runs):
     assert all(r["communication_s"] > 0 and r["forward_backward_s"] > 0 and r["optimizer_s"] > 0 for r in log)
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["config"]["nproc"] == 2
+    # a monitor per rank: the gradients' norms after the all-reduce alike, the outputs of each rank's batch not
+    assert sorted(p.name for p in run.glob("monitor*.h5")) == ["monitor-rank0.h5", "monitor-rank1.h5"]
+    ranks = [read_monitor(run / f"monitor-rank{rank}.h5") for rank in (0, 1)]
+    assert [m.rank for m in ranks] == [0, 1] and all(m.steps.tolist() == [0, 1, 2] for m in ranks)
+    column = {q: ranks[0].quantities.index(q) for q in ("grad_norm", "output_norm")}
+    gradients = [m.values[:, :, column["grad_norm"]] for m in ranks]
+    assert np.allclose(gradients[0], gradients[1], rtol=1e-6, equal_nan=True)
+    assert not np.allclose(ranks[0].values[:, :, column["output_norm"]], ranks[1].values[:, :, column["output_norm"]],
+                           rtol=1e-3, equal_nan=True)
 
 
 # Steps whose records fit in a window are judged with every rank; a step of more is judged a group
@@ -258,6 +270,25 @@ def test_deepspeed_in_one_process_trains_the_losses_of_torch(tmp_path):
     assert losses(tmp_path / "torch") == losses(tmp_path / "deepspeed")
     manifest = read_run(tmp_path / "deepspeed").manifest
     assert manifest["config"]["engine"] == "deepspeed" and manifest["versions"]["deepspeed"]
+    # the monitor sees DeepSpeed's optimizer as torch's; where a parameter gets no gradient, DeepSpeed
+    # gives it zeros, and Adam's states of zeros (0 where torch's have none), and decays it
+    plain, deepspeed = (read_monitor(tmp_path / name / "monitor.h5").values for name in ("torch", "deepspeed"))
+    held = np.isfinite(plain)
+    assert np.allclose(plain[held], deepspeed[held], rtol=1e-5, atol=0)
+    assert np.all((deepspeed[~held] == 0) | np.isnan(deepspeed[~held]))
+    assert held[:, :, QUANTITIES.index("update_norm")].any()
+    # its checkpoint, DeepSpeed's own files, read by ckpt-diff: the same weights within 1e-6 (the weight
+    # decay of those without gradients), and Adam's states, but DeepSpeed's of those
+    checkpoints = [tmp_path / name / "checkpoints" / "000002" for name in ("torch", "deepspeed")]
+    done = run_cli("ckpt-diff", checkpoints[0], checkpoints[1] / "deepspeed", "--tolerance", "1e-6")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = tmp_path / "ckpt.json"
+    done = run_cli("ckpt-diff", checkpoints[0], checkpoints[1] / "deepspeed", "--optimizer", "--tolerance", "1e-6",
+                   "--json", report)
+    tensors = json.loads(report.read_text())["tensors"]
+    beyond = [t for t in tensors if t["relative_l2"] is None or t["relative_l2"] > 1e-6]  # None: infinite
+    assert done.returncode == 1 and beyond, done.stderr
+    assert all(t["shape_a"] is None and t["name"].endswith((":exp_avg", ":exp_avg_sq")) for t in beyond), beyond
 
 
 @pytest.mark.slow  # two runs of 2 processes under DeepSpeed
@@ -269,6 +300,8 @@ def test_deepspeed_zero_2_on_two_processes_trains_and_resumes(two_process_runs, 
     assert done.returncode == 0, done.stderr[-3000:]
     assert losses(run)[0] == losses(two_process_runs["a"][0])[0]
     assert (run / "checkpoints" / "000002" / "deepspeed").is_dir()
+    monitored = read_monitor(run / "monitor-rank1.h5")
+    assert np.isfinite(monitored.values[:, :, monitored.quantities.index("output_norm")]).any()
     assert losses(resumed_after_step_2(run, tmp_path)) == losses(run)
     # its optimizer state is DeepSpeed's: torch's optimizer cannot take it
     with pytest.raises(UserError, match="--engine deepspeed"):

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, assert_one_line_error, run_cli, run_clis
+from conftest import REPO, assert_one_line_error, offline_page, run_cli, run_clis
 
 from pi0align.compare import compare_dumps
 from pi0align.compare.reading.open_dump import open_run
@@ -128,27 +128,19 @@ def test_the_curves_page_shows_the_overlay_in_chromium(runs, tmp_path, browser):
     page_file = tmp_path / "curves.html"
     done = run_cli("curves", runs["base"], runs["same"], runs["lr"], "--html", page_file)
     assert done.returncode == 1, done.stderr
-    context = browser.new_context()
-    blocked, errors = [], []
-    context.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:") else (
-        blocked.append(route.request.url), route.abort()))
-    page = context.new_page()
-    page.on("pageerror", lambda error: errors.append(str(error)))
-    page.goto(page_file.as_uri())
-    page.wait_for_selector("#curves .main-svg")
-    drawn = page.evaluate("document.getElementById('curves')._fullData.map("
-                          "t => [t.name, t.line.color, t.showlegend, t.xaxis])")
-    traces = [name for name, *_ in drawn]
-    # three runs in each of loss, gradient norm and learning rate, two relative errors, the band
-    assert len(traces) == 3 * 3 + 2 + 1 and traces.count("lr") == 4
-    colours = {run: {colour for name, colour, *_ in drawn if name == run} for run in ("base", "same", "lr")}
-    assert all(len(c) == 1 for c in colours.values()), colours  # one colour a run, in every panel
-    assert len(set.union(*colours.values())) == 3, colours  # and a colour of its own
-    in_legend = [name for name, _, shown, _ in drawn if shown and name in colours]
-    assert sorted(in_legend) == sorted(colours)  # one legend: each run once
-    assert page.text_content("#verdict") == "outside tolerance"
-    context.close()
-    assert blocked == [] and errors == []
+    with offline_page(browser, page_file) as page:
+        page.wait_for_selector("#curves .main-svg")
+        drawn = page.evaluate("document.getElementById('curves')._fullData.map("
+                              "t => [t.name, t.line.color, t.showlegend, t.xaxis])")
+        traces = [name for name, *_ in drawn]
+        # three runs in each of loss, gradient norm and learning rate, two relative errors, the band
+        assert len(traces) == 3 * 3 + 2 + 1 and traces.count("lr") == 4
+        colours = {run: {colour for name, colour, *_ in drawn if name == run} for run in ("base", "same", "lr")}
+        assert all(len(c) == 1 for c in colours.values()), colours  # one colour a run, in every panel
+        assert len(set.union(*colours.values())) == 3, colours  # and a colour of its own
+        in_legend = [name for name, _, shown, _ in drawn if shown and name in colours]
+        assert sorted(in_legend) == sorted(colours)  # one legend: each run once
+        assert page.text_content("#verdict") == "outside tolerance"
 
 
 @pytest.mark.slow  # a notebook kernel of its own

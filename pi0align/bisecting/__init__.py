@@ -8,7 +8,9 @@ an ulp), not assumed. A binary search over A's checkpoints finds the first whose
 it (a state from which this device computes a different step); that step is run again from the
 same state (two runs that differ: this device is not deterministic there), dumped, and its
 culprit named, by `compare` against A's dump of that step where A's folder has one, else by
-`audit`. When no checkpoint is beyond the bound, the curves part by the two devices' rounding,
+`audit`. Where both runs have a monitor, its first module to leave the band narrows both: the
+checkpoints searched end at its step when that comes before the loss's, and an audited step's dump
+holds that module's calls only. When no checkpoint is beyond the bound, the curves part by the two devices' rounding,
 which training amplifies, not by a step that computes differently.
 """
 
@@ -46,20 +48,22 @@ def bisect(a: str | Path, b: str | Path, *, out: str | Path | None = None, toler
         (out / "probes").mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise UserError(f"cannot write {out}: {error.strerror or error}") from None
-    # up to the first checkpoint at or past the step where the curves part: a step computed
-    # differently there is first seen from that checkpoint on (or earlier)
-    last = next((k for k in runs.checkpoints if runs.parts_at is not None and k >= runs.parts_at), runs.checkpoints[-1])
+    # up to the first checkpoint at or past the step where B first parts (its loss, or a module
+    # first): a step computed differently there is first seen from that checkpoint on (or earlier)
+    parts = runs.parts_first_at
+    last = next((k for k in runs.checkpoints if parts is not None and k >= parts), runs.checkpoints[-1])
     searched = [k for k in runs.checkpoints if k <= last]
     probes: list[Probe] = []
     bound: Bound | None = None
 
-    def probe(step: int, kind: str = "device", again: str = "") -> Probe:
-        """A probe at `step`, its folder named by step and kind (`again`: a second of its kind)."""
+    def probe(step: int, kind: str = "device", again: str = "", include: list[str] | None = None) -> Probe:
+        """A probe at `step`, its folder named by step and kind (`again`: a second of its kind);
+        `include`: the names its dump keeps."""
         if starting is not None:
             starting(step, kind)
         found = run_probe(runs.reference, step, out / "probes" / f"{step:06d}-{kind}{again}", kind,
                           logged=runs.logged, device=runs.device, threads=runs.threads,
-                          label=f" ({kind}{again})")
+                          label=f" ({kind}{again})", include=include)
         probes.append(found)
         save_probes(probes, out / "probes.json")
         if report is not None:
@@ -91,7 +95,7 @@ def bisect(a: str | Path, b: str | Path, *, out: str | Path | None = None, toler
 
 def _common(runs: Runs, probes: list[Probe], bound: Bound, searched: list[int]) -> dict:
     return dict(reference=str(runs.reference), under_test=str(runs.under_test), probes=list(probes), bound=bound,
-                searched=searched, parts_at=runs.parts_at)
+                searched=searched, parts_at=runs.parts_at, first_module=runs.first_module, monitors=runs.monitors)
 
 
 def _within_notes(probes: list[Probe], bound: Bound) -> list[str]:
@@ -112,13 +116,20 @@ def _name_the_culprit(done: dict, out: Path, step: int, beyond: Probe, probe) ->
     where the two runs differ, this device is not deterministic there; else its culprit, by
     compare against the reference's dump of that step, or by audit."""
     runs = done["runs"]
-    dumped = probe(step, "dumped")
+    held = _holds_dump(runs.reference, step)
+    # the module the monitor names first: an audited dump need hold its calls only (compare reads
+    # the reference's whole dump, and pairs whole steps)
+    include = None if held or runs.first_module is None else [f"{runs.first_module.module}.*",
+                                                              f"{runs.first_module.module}/*"]
+    dumped = probe(step, "dumped", include=include)
     if _differ(beyond, dumped):
         return _nondeterministic(done, out, step, beyond, dumped, probe)
     commands = [f"pi0align run --from {runs.reference} --at {step} --steps 1 --dump-steps {step} --dump-mode tensor "
                 f"--out {out}/reference-{step:06d}   # on the reference's device",
                 f"pi0align compare {out}/reference-{step:06d} {dumped.folder}"]
-    culprit, judged_by = _culprit(runs.reference, Path(dumped.folder), step)
+    culprit, judged_by = _culprit(runs.reference, Path(dumped.folder), step, held)
+    if include is not None:
+        judged_by += f", its dump narrowed to {runs.first_module.module} (the monitor's first module to part)"
     notes = [] if culprit is not None else [
         f"step {step} computes differently on this device, yet no call of its dump is beyond its standard alone: "
         "dump the step on the reference's device and compare (the commands below)"]
@@ -143,15 +154,19 @@ def _nondeterministic(done: dict, out: Path, step: int, one: Probe, other: Probe
                      judged_by="two dumps of the step from the same state, compared", notes=[note])
 
 
-def _culprit(reference: Path, dumped: Path, step: int):
-    """The top culprit of the dumped step: against the reference's own dump of it (compare) where
-    its folder holds one, else the step judged alone (audit)."""
+def _holds_dump(reference: Path, step: int) -> bool:
+    """Whether the reference's folder holds a dump of the step."""
     from pi0align.compare.reading.open_dump import dumped_steps
 
     try:
-        held = any(step in steps for steps in dumped_steps(reference).values())
+        return any(step in steps for steps in dumped_steps(reference).values())
     except UserError:  # no dump in the reference's folder
-        held = False
+        return False
+
+
+def _culprit(reference: Path, dumped: Path, step: int, held: bool):
+    """The top culprit of the dumped step: against the reference's own dump of it (compare) where
+    its folder holds one (`held`), else the step judged alone (audit)."""
     if held:
         from pi0align.compare import compare_dumps
 

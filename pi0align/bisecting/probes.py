@@ -46,12 +46,14 @@ def relative(value: float, reference: float) -> float:
 
 
 def run_probe(reference: Path, step: int, folder: Path, kind: str, *, logged: dict, device: str | None,
-              threads: int | None, label: str = "") -> Probe:
+              threads: int | None, label: str = "", include: list[str] | None = None) -> Probe:
     """The probe of `kind` at `step` in `folder` (`label`: its name when there are several of a
-    kind), run now or read back; `logged`: the reference's per-step log ({step: record})."""
+    kind), run now or read back; `logged`: the reference's per-step log ({step: record});
+    `include`: the names its dump keeps (fnmatch patterns; None: every one)."""
     if not (folder / SUMMARY).is_file():
         shutil.rmtree(folder, ignore_errors=True)  # a probe killed before its end: run again
         extra = [part.format(step=step) for part in KINDS[kind]]
+        extra += [argument for pattern in include or () for argument in ("--dump-include", pattern)]
         where = [*(["--device", device] if device else []), *(["--threads", str(threads)] if threads else [])]
         command = [sys.executable, "-m", "pi0align.cli.main", "run", "--from", str(reference), "--at", str(step),
                    "--steps", "1", *where, *extra, "--no-progress", "--log-every", "0", "--out", str(folder)]

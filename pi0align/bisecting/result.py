@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pi0align.bisecting.probes import Probe
 from pi0align.compare.result import Culprit
+from pi0align.runs.monitor import Leaving
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,9 @@ class Bisection:
     """Where the run under test first computes a step differently from the reference's state.
 
     `probes`: every one-step probe, in the order run; `searched`: the reference's checkpoints the
-    search covered (up to the step where B's loss leaves A's band, `parts_at`, or all);
+    search covered (up to where B first parts from A: its loss leaves A's band, `parts_at`, or,
+    earlier, a module of its monitor, `first_module`; or all); `monitors`: what the two runs'
+    monitors said;
     `first_checkpoint_beyond`: the first whose one-step difference is beyond `bound` (None: none
     is); `nondeterministic`: that step, run twice from the same state, differs (the culprit is
     then the first call that differs, evidence `exact`); `culprit`: the call named (by `compare`
@@ -40,6 +43,8 @@ class Bisection:
     searched: list[int]
     parts_at: int | None
     first_checkpoint_beyond: int | None
+    first_module: Leaving | None = None
+    monitors: str = ""
     nondeterministic: bool = False
     culprit: Culprit | None = None
     judged_by: str = ""

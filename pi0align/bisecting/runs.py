@@ -1,6 +1,8 @@
 """The two runs a bisect reads: the reference (A: a run folder with checkpoints, its log and
 config) and the run under test (B: its log at least, and its manifest where it has one), checked
-to be runs of one configuration, with where B's loss leaves A's band."""
+to be runs of one configuration, with where B's loss leaves A's band and, where both have a
+monitor, the module and quantity that leave theirs first (runs/monitor.py): often thousands of
+steps before the loss."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pi0align.errors import UserError
 from pi0align.runs.curves import relative_error
 from pi0align.runs.envdiff import env_diff
 from pi0align.runs.folder import read_run
+from pi0align.runs.monitor import Leaving
 
 # env-diff's items of where and how a run computes, which B's device may change: everything else
 # that matters (seed, data, model, hyper-parameters, batch, steps, dtype, world size) must match,
@@ -28,7 +31,8 @@ WHERE_IT_RUNS = frozenset({
 class Runs:
     """The reference's folder, its per-step log ({step: record}) and its checkpoints (the steps
     after which one was saved); the run under test's log; where B runs (device, threads) as its
-    manifest says; and the first step whose loss leaves A's band (None: never)."""
+    manifest says; the first step whose loss leaves A's band (None: never); the first module
+    quantity of B's monitor to leave A's band (None: never, or no monitors: `monitors` says)."""
 
     reference: Path
     logged: dict[int, dict]
@@ -38,6 +42,14 @@ class Runs:
     device: str | None
     threads: int | None
     parts_at: int | None
+    first_module: Leaving | None = None
+    monitors: str = ""  # what the monitors said, or why they were not compared
+
+    @property
+    def parts_first_at(self) -> int | None:
+        """The first step where B parts from A, by its loss or by a module."""
+        steps = [s for s in (self.parts_at, self.first_module and self.first_module.first_outside) if s is not None]
+        return min(steps, default=None)
 
 
 def read_runs(a: str | Path, b: str | Path, tolerance: float, device: str | None = None) -> Runs:
@@ -57,10 +69,27 @@ def read_runs(a: str | Path, b: str | Path, tolerance: float, device: str | None
             raise UserError(f"{run_a.path} and {run_b.path} are runs of other configurations ({listed}): bisect "
                             "probes B's device from A's state, so B must train A's configuration (pi0align env-diff)")
     config = run_b.manifest.get("config") or {}
+    first_module, monitors = _first_module(run_a.path, run_b.path)
     return Runs(reference=run_a.path, logged=logged, checkpoints=checkpoints,
                 under_test=run_b.path, logged_b={r["step"]: r for r in run_b.log},
                 device=device or run_b.manifest.get("device") or config.get("device"),
-                threads=config.get("threads"), parts_at=_parts_at(run_a.log, run_b.log, tolerance))
+                threads=config.get("threads"), parts_at=_parts_at(run_a.log, run_b.log, tolerance),
+                first_module=first_module, monitors=monitors)
+
+
+def _first_module(a: Path, b: Path) -> tuple[Leaving | None, str]:
+    """B's first module quantity outside A's band (the default band), and what the monitors said."""
+    from pi0align.runs.monitor import compare_modules, load_monitor
+
+    try:
+        comparison = compare_modules(load_monitor([a, b]))
+    except UserError as error:
+        return None, f"monitors not compared: {error}"
+    (first,) = comparison.first_outside.values()
+    if first is None:
+        return None, f"every module of B's monitor stays within ±{comparison.band:g} of A's"
+    return first, (f"B's monitor: {first.module} {first.quantity} leaves ±{comparison.band:g} of A's first, at step "
+                   f"{first.first_outside}")
 
 
 def _parts_at(log_a: list[dict], log_b: list[dict], tolerance: float) -> int | None:

@@ -40,6 +40,7 @@ COMMANDS = {
                                       "differently"),
     "env-diff": ("pi0align.cli.env_diff", "are two runs set up alike: versions, switches, config, weights, data"),
     "curves": ("pi0align.cli.curves", "loss curves of runs side by side, and where they part"),
+    "ckpt-diff": ("pi0align.cli.ckpt_diff", "two checkpoints parameter by parameter (and their optimizer states)"),
     "check": ("pi0align.cli.check", "a run against a baseline's curve, final loss and throughput"),
     "doctor": ("pi0align.cli.doctor", "this machine against the supported versions and switches"),
     "hostfile": ("pi0align.cli.hostfile", "a DeepSpeed hostfile and launch commands for training across nodes"),

@@ -6,14 +6,18 @@ import argparse
 import dataclasses
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pi0align.cli.steps import parse_steps
 from pi0align.dump.file_format import BACKENDS, LEVELS, MODES
 from pi0align.errors import UserError, check_writable
 
+if TYPE_CHECKING:  # imported where the flags are made (add_arguments), as every command imports only its own
+    from pi0align.train.config import TrainConfig
+
 SECTIONS = {"run": "run", "inputs": "inputs (all local; nothing is downloaded)", "seeding": "seeding",
             "scale": "processes, profiling and tuning"}
-_TYPES = {"int": int, "float | None": float, "str": str, "Path | None": Path, "str | None": str}
+_TYPES = {"int": int, "int | None": int, "float | None": float, "str": str, "Path | None": Path, "str | None": str}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +78,8 @@ class Start:
 
 
 # what a run started --from another may set: where and how it runs, not what it computes
-_FROM_FIELDS = ("device", "threads", "out", "progress", "log_every", "num_workers")
+_FROM_FIELDS = ("device", "threads", "out", "progress", "log_every", "num_workers", "monitor", "monitor_depth",
+                "dump_on_alert")
 # the run folder's dump (Dumper.file names each rank's after it: dump-rank<R>.h5 on several processes)
 DUMP_FILE = Path("dump.h5")
 
@@ -140,6 +145,22 @@ def make_dumper(args, out: Path, seed: int):
                   perturb_ulps=args.perturb_ulps, perturb_seed=seed, backend=args.dump_backend)
 
 
+def make_monitor(config: TrainConfig, dumper):
+    """The run's monitor (every module at every step, dump/monitor.py) with its alert rules, and
+    the dumps of the steps after its alerts (`--dump-on-alert`); (None, None) with --no-monitor."""
+    if not config.monitor:
+        if config.dump_on_alert:
+            raise UserError("--dump-on-alert dumps the step after a monitor's alert: it needs the monitor (drop "
+                            "--no-monitor)")
+        return None, None
+    from pi0align.dump.alert_dumps import AlertDumps
+    from pi0align.dump.alerts import AlertRules
+    from pi0align.dump.monitor import Monitor
+
+    monitor = Monitor(config.out, depth=config.monitor_depth, alerts=AlertRules())
+    return monitor, AlertDumps(config.out, dumper) if config.dump_on_alert else None
+
+
 def main(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -164,6 +185,7 @@ def main(args) -> int:
     config.out = Path(config.out or default_out_dir(config))
     check_writable(config.out)
     dumper = make_dumper(args, config.out, config.seed)
+    monitor, alert_dumps = make_monitor(config, dumper)
 
     import datasets
     import transformers
@@ -174,7 +196,7 @@ def main(args) -> int:
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
     summary = train(config, dumper=dumper, resume_from=start.resume_from, started_from=start.started_from,
-                    stop_step=start.stop_step)
+                    stop_step=start.stop_step, monitor=monitor, alert_dumps=alert_dumps)
     if distributed.launched().main:  # once, for every rank
         for line in summary_lines(summary):
             print(line)

@@ -18,6 +18,7 @@ from pi0align.dump.dump_file import WRITE_ERRORS
 from pi0align.dump.file_format import LEVELS, MODES
 from pi0align.dump.manifest import build_manifest
 from pi0align.dump.perturb import UlpPerturbation
+from pi0align.dump.ranks import rank_and_world_size
 from pi0align.dump.sampling import Sampler
 from pi0align.dump.steplog import Filter, StepLog
 from pi0align.dump.writer import DumpWriter
@@ -93,7 +94,7 @@ class Dumper:
                          else None)
         self._metrics: list[tuple] = []
         self._started = False
-        self._rank, self._world_size = _rank_and_world_size()  # again at start(): after init_process_group
+        self._rank, self._world_size = rank_and_world_size()  # again at start(): after init_process_group
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -107,6 +108,10 @@ class Dumper:
     @property
     def current_step(self) -> int:
         return self._step
+
+    def dumps(self, step: int) -> bool:
+        """Whether this dumper records `step`."""
+        return self.steps is None or step in self.steps
 
     @property
     def enabled(self) -> bool:
@@ -124,7 +129,7 @@ class Dumper:
         if step is not None:
             self._step = int(step)
         if not self._created:
-            self._rank, self._world_size = _rank_and_world_size()
+            self._rank, self._world_size = rank_and_world_size()
         if not self.enabled:
             return self
         self._model = model if model is not None else self._model
@@ -206,7 +211,7 @@ class Dumper:
             raise UserError(f"cannot write the dump file {self.file}: {_reason(error)}") from None
 
     def _selected(self) -> bool:
-        return self.steps is None or self._step in self.steps
+        return self.dumps(self._step)
 
     def _follow_selection(self) -> None:
         """Install the hooks for a chosen step (and open its log), remove them otherwise."""
@@ -258,12 +263,6 @@ class Dumper:
         metrics, self._metrics = self._metrics, []
         tensors_file, self._tensors_file = self._tensors_file, None
         self._writer.end_step(captured, stacks, metrics, tensors_file if captured is not None else None)
-
-
-def _rank_and_world_size() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 def _as_float(value) -> float:

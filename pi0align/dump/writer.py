@@ -132,6 +132,14 @@ class DumpWriter:
         self._send(copied=True)
         self._raise_error()
 
+    def append_monitor(self, step: int, values: np.ndarray) -> None:
+        """Hand over one step's monitor row (modules × quantities), for the writer process to
+        append (`monitor_file.append`); raise an earlier failure."""
+        if not self._ended:
+            self._commands.append(("monitor", step, np.ascontiguousarray(values, np.float32).tobytes()))
+        self._send()
+        self._raise_error()
+
     def flush(self) -> None:
         """Wait until everything handed over so far is on disk; raise what failed."""
         synced = self._synced + 1

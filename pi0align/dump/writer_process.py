@@ -22,6 +22,8 @@ Commands arrive on stdin as pickled lists; answers leave on stdout, pickled:
                                           "write"; `tables` made of the argument `captured`
                                           (captured_step.CapturedStep, or None), its samples in
                                           the records' order
+  ("monitor", step, row bytes)            `monitor_file.append(DUMP, step, row)`: DUMP is then a
+                                          monitor file, the row float32 (modules × quantities)
   ("sync",)                               answered ("synced",) once everything before it is done
 An error answers ("error", message); a failed tensor file skips the rest of its step. At the end
 of stdin (the training process ended, even killed), queued work is finished; an unclosed step's
@@ -42,7 +44,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from pi0align.dump import dump_file
+from pi0align.dump import dump_file, monitor_file
 from pi0align.dump.dump_file import WRITE_ERRORS, ensure_room
 from pi0align.dump.sample_rows import PositionTable
 from pi0align.dump.tensor_store import write_tensor_dataset
@@ -85,6 +87,8 @@ class _Store:
                 os.replace(self.path + PARTIAL, self.path)
             elif kind == "append":
                 self.append(*command[1:3])
+            elif kind == "monitor":
+                monitor_file.append(self.dump, command[1], np.frombuffer(command[2], np.float32))
             elif kind == "sync":
                 self.answer(("synced",))
         except _FAILURES as error:

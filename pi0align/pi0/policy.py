@@ -15,8 +15,9 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def make_config(preset: Preset, input_features: dict, output_features: dict, *, device: str, dtype: str,
-                lr: float | None = None):
-    """LeRobot's PI0Config for a preset; `lr` overrides the optimizer preset's peak learning rate."""
+                lr: float | None = None, adam_eps: float | None = None):
+    """LeRobot's PI0Config for a preset; `lr` and `adam_eps` override the optimizer preset's peak
+    learning rate and epsilon."""
     from lerobot.policies.pi0.configuration_pi0 import PI0Config
 
     config = PI0Config(
@@ -29,19 +30,22 @@ def make_config(preset: Preset, input_features: dict, output_features: dict, *, 
     )
     if lr is not None:
         config.optimizer_lr = lr
+    if adam_eps is not None:
+        config.optimizer_eps = adam_eps
     config.input_features = dict(input_features)
     config.output_features = dict(output_features)
     return config
 
 
 def build_policy(preset_name: str, input_features: dict, output_features: dict, *, device: str = "cpu",
-                 dtype: str = "fp32", lr: float | None = None, pretrained: Path | None = None):
+                 dtype: str = "fp32", lr: float | None = None, adam_eps: float | None = None,
+                 pretrained: Path | None = None):
     """A LeRobot PI0Policy: random init from the current torch RNG, or the weights in `pretrained`."""
     compat.apply()
     from lerobot.policies.pi0.modeling_pi0 import PI0Policy
 
     preset = PRESETS[preset_name]
-    config = make_config(preset, input_features, output_features, device=device, dtype=dtype, lr=lr)
+    config = make_config(preset, input_features, output_features, device=device, dtype=dtype, lr=lr, adam_eps=adam_eps)
     with _sized_like(preset):
         policy = PI0Policy(config)
     policy.model.sample_noise = _noise_drawn_on_the_cpu

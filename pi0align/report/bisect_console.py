@@ -39,6 +39,7 @@ def print_bisection(result: Bisection, console: Console) -> None:
              Text(f"A (reference):  {result.reference}\nB (under test): {result.under_test}"),
              Text("curves part at step " + (str(result.parts_at) if result.parts_at is not None else "— (never)")
                   + f" · checkpoints searched: {', '.join(map(str, result.searched))}"),
+             *([Text(result.monitors, style="dim" if result.first_module is None else "")] if result.monitors else []),
              Text(f"bound: loss {format_number(result.bound.loss)}, gradient norm "
                   f"{format_number(result.bound.grad_norm)} ({result.bound.measured_by})"),
              Text(f"one-step probes: {len(result.probes)}")]

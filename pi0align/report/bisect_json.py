@@ -20,6 +20,10 @@ def bisection_summary(result: Bisection) -> dict[str, Any]:
         "reference": result.reference,
         "under_test": result.under_test,
         "parts_at": result.parts_at,
+        "first_module": None if result.first_module is None else {
+            "module": result.first_module.module, "quantity": result.first_module.quantity,
+            "step": result.first_module.first_outside},
+        "monitors": result.monitors,
         "searched": result.searched,
         "bound": json_safe(dataclasses.asdict(result.bound)),
         "probes": [{**probe_dict(probe), "verdict": probe_verdict(probe, result.bound)} for probe in result.probes],

@@ -88,7 +88,16 @@ class ShortNames:
         kept = max(kept, min(distinct, len(parts) - 1))
         if kept > 1 and parts[-kept].isdigit():  # an index without what it indexes (`…1.mlp`) tells nothing
             kept -= 1
-        return "…" + ".".join(parts[-kept:])
+        shown = "…" + ".".join(parts[-kept:])
+        if len(shown) > width and kept > 2:  # its distinctive part, then as much of its end as fits
+            head, tail = parts[-kept], []
+            for part in reversed(parts[-kept + 1:]):
+                if len(f"…{head}…{'.'.join([part, *tail])}") > width:
+                    break
+                tail.insert(0, part)
+            if tail:
+                shown = f"…{head}…{'.'.join(tail)}"
+        return shown
 
     def name(self, name: str, width: int) -> str:
         """A record name (`<module>/<call>`), its call whole and its module shortened."""

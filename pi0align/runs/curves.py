@@ -33,8 +33,14 @@ def load_runs(paths: Iterable[str | Path]) -> pd.DataFrame:
 
 
 def _names(runs: list[Run]) -> list[str]:
-    names = [run.name for run in runs]
-    return [f"{run.path.parent.name}/{run.name}" if names.count(run.name) > 1 else run.name for run in runs]
+    return run_names([run.path for run in runs], [run.name for run in runs])
+
+
+def run_names(paths: list[Path], names: list[str] | None = None) -> list[str]:
+    """How runs are named: by their folder (or `names`), made unique by its parent's name where two
+    share one."""
+    names = names or [path.name if path.is_dir() else path.parent.name for path in paths]
+    return [f"{path.parent.name}/{name}" if names.count(name) > 1 else name for path, name in zip(paths, names)]
 
 
 @dataclass(frozen=True)

@@ -83,8 +83,9 @@ ITEMS = [
     Item("PYTHONHASHSEED", ("numerics.environment.PYTHONHASHSEED",), MATTERS,
          "the order of sets and dicts keyed by strings", follows=("seed",)),
     Item("learning rate", ("hyperparameters.optimizer_lr", "config.lr"), MATTERS, "another update"),
+    Item("Adam's epsilon", ("hyperparameters.optimizer_eps", "config.adam_eps"), MATTERS, "another update"),
     *(Item(name.replace("_", " "), (f"hyperparameters.{name}",), MATTERS, "another update, model or batch")
-      for name in ("optimizer_betas", "optimizer_eps", "optimizer_weight_decay", "optimizer_grad_clip_norm",
+      for name in ("optimizer_betas", "optimizer_weight_decay", "optimizer_grad_clip_norm",
                    "scheduler_warmup_steps", "scheduler_decay_steps", "scheduler_decay_lr", "chunk_size",
                    "n_action_steps", "max_state_dim", "max_action_dim", "image_resolution", "tokenizer_max_length",
                    "num_inference_steps", "paligemma_variant", "action_expert_variant")),
@@ -114,7 +115,8 @@ ITEMS = [
         ("rank", ("rank",), "which rank's manifest"),
         ("dataloader workers", ("config.num_workers",), "batches are fixed by seed and step, not by workers"),
         ("log, checkpoint and progress settings", ("config.log_every", "config.save_every", "config.progress"),
-         "output only"))),
+         "output only"),
+        ("monitor", ("config.monitor", "config.monitor_depth", "config.dump_on_alert"), "observed, not changed"))),
 ]
 _ITEM_OF_KEY = {key: item for item in ITEMS for key in item.keys}
 

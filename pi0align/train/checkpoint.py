@@ -57,10 +57,12 @@ def staging_dir(run_dir: Path, steps_done: int) -> Path:
     return final.with_name(final.name + ".partial")
 
 
-def save(run_dir: Path, steps_done: int, *, policy, optimizer: dict | None, scheduler, config: TrainConfig,
-         rng: list[dict], staged: bool = False) -> Path:
-    """`optimizer`: its state_dict (None: the engine keeps it in the staging folder itself, which
-    `staged` says it has written); `rng`: every rank's rng_state, in rank order."""
+def save(run_dir: Path, steps_done: int, *, policy, optimizer: torch.optim.Optimizer, scheduler,
+         config: TrainConfig, rng: list[dict], staged: bool = False) -> Path:
+    """`optimizer`: its state_dict is saved, with its parameters' names in its order (what
+    `ckpt-diff --optimizer` reads), unless `staged`: the engine has written the staging folder's
+    optimizer state itself (DeepSpeed), and only the names are saved; `rng`: every rank's
+    rng_state, in rank order."""
     final, staging = checkpoint_dir(run_dir, steps_done), staging_dir(run_dir, steps_done)
     if not staged:
         shutil.rmtree(staging, ignore_errors=True)
@@ -69,7 +71,8 @@ def save(run_dir: Path, steps_done: int, *, policy, optimizer: dict | None, sche
     torch.save(
         {
             "steps_done": steps_done,
-            "optimizer": optimizer,
+            "optimizer": None if staged else optimizer.state_dict(),
+            "optimizer_names": optimizer_names(policy, optimizer),
             "scheduler": scheduler.state_dict(),
             "rng": rng,
         },
@@ -79,6 +82,13 @@ def save(run_dir: Path, steps_done: int, *, policy, optimizer: dict | None, sche
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
     return final
+
+
+def optimizer_names(policy, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of each parameter the optimizer holds, in the order its state_dict numbers them."""
+    names = {id(p): name for name, p in policy.named_parameters()}
+    return [names.get(id(p), f"param_groups.{g}.{i}") for g, group in enumerate(optimizer.param_groups)
+            for i, p in enumerate(group["params"])]
 
 
 def resolve(path: Path) -> Path:

@@ -20,7 +20,7 @@ RECIPES = {"perf": {"steps": 1000, "batch_size": 12, "nproc": 8},
 CHOICES = {"preset": ("full", "small", "tiny"), "dtype": ("fp32", "bf16"), "seed_impl": ("msprobe", "pi0align"),
            "optimizer": ("adamw", "adamw-fused"), "recipe": (None, *RECIPES), "engine": ("torch", "deepspeed"),
            "zero_stage": (0, 1, 2, 3)}
-AT_LEAST_ONE = ("steps", "batch_size", "threads", "nproc")
+AT_LEAST_ONE = ("steps", "batch_size", "threads", "nproc", "monitor_depth")
 NOT_NEGATIVE = ("num_workers", "save_every", "log_every")
 
 
@@ -56,6 +56,8 @@ class TrainConfig:
     batch_size: int = field(default=8, metadata=flag("samples per step and process (the global batch: × processes)"))
     # None: the PI0 optimizer preset's peak learning rate
     lr: float | None = field(default=None, metadata=flag("peak learning rate (default: PI0's preset, 2.5e-5)"))
+    adam_eps: float | None = field(default=None, metadata=flag("AdamW's epsilon (default: PI0's preset, 1e-8)",
+                                                               metavar="X"))
     num_workers: int = field(default=0, metadata=flag("dataloader workers"))
     threads: int = field(default_factory=_threads, metadata=flag("torch CPU threads of each process"))
     nproc: int = field(default=1, metadata=flag(
@@ -88,13 +90,20 @@ class TrainConfig:
     rm_dropout: bool = field(default=True, metadata=flag(
         "leave dropout active", "seeding", negation="--keep-dropout"))  # seed_all(rm_dropout=...)
     progress: bool = field(default=True, metadata=flag("no progress bar", negation="--no-progress"))
+    monitor: bool = field(default=True, metadata=flag(
+        "no monitor (every module's norms at every step into <out>/monitor.h5)", negation="--no-monitor"))
+    # None: the blocks a person thinks in (dump/monitor.py, monitored_modules)
+    monitor_depth: int | None = field(default=None, metadata=flag(
+        "monitor the modules whose path has N parts (default: every layer, projection and head)", metavar="N"))
+    dump_on_alert: bool = field(default=False, metadata=flag(
+        "dump the step after a monitor alert (stats), into <out>/alerts/<step>/"))
 
     def __post_init__(self) -> None:
         for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 raise UserError(f"--{flag_name(name)} must be one of {', '.join(choices)}, not {getattr(self, name)!r}")
         for name in AT_LEAST_ONE:
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UserError(f"--{flag_name(name)} must be at least 1")
         for name in NOT_NEGATIVE:
             if getattr(self, name) < 0:

@@ -74,7 +74,7 @@ class TorchEngine:
 
     def save(self, run_dir: Path, steps_done: int, config, rng: list[dict]) -> None:
         if self.ranks.main:
-            checkpoint.save(run_dir, steps_done, policy=self.policy, optimizer=self.optimizer.state_dict(),
+            checkpoint.save(run_dir, steps_done, policy=self.policy, optimizer=self.optimizer,
                             scheduler=self.scheduler, config=config, rng=rng)
 
     def restore(self, source: Path) -> int:
@@ -127,7 +127,7 @@ class DeepSpeedEngine:
         staging = checkpoint.staging_dir(run_dir, steps_done)
         self.model.save_checkpoint(str(staging), tag=DEEPSPEED_TAG)
         if self.ranks.main:
-            checkpoint.save(run_dir, steps_done, policy=self.policy, optimizer=None, scheduler=self.scheduler,
+            checkpoint.save(run_dir, steps_done, policy=self.policy, optimizer=self.optimizer, scheduler=self.scheduler,
                             config=config, rng=rng, staged=True)
         torch.distributed.barrier()
 

@@ -29,9 +29,11 @@ def default_out_dir(config: TrainConfig) -> Path:
 
 
 def train(config: TrainConfig, dumper=None, resume_from: Path | None = None, stop_step: int | None = None,
-          started_from: Path | None = None) -> dict:
+          started_from: Path | None = None, monitor=None, alert_dumps=None) -> dict:
     """Train up to `stop_step` (default: the config's steps, which the schedule spans); returns the
-    summary (also written to `<out>/summary.json`). `resume_from`: a checkpoint of this run to
+    summary (also written to `<out>/summary.json`). `dumper`, `monitor`: a Dumper and a Monitor
+    (pi0align.dump), started here on the policy; `alert_dumps`: the dumps of the steps after the
+    monitor's alerts (dump/alert_dumps.py). `resume_from`: a checkpoint of this run to
     continue; `started_from`: another run's checkpoint to start from (`run --from`: its state on
     this run's device). Under a launcher (distributed.launched), this process trains as its rank:
     the policy in DDP on its slice of each global batch; rank 0 writes the log, the summary, the
@@ -42,7 +44,8 @@ def train(config: TrainConfig, dumper=None, resume_from: Path | None = None, sto
     distributed.start(ranks, device)
     finished = False
     try:
-        summary = _train(config, ranks, device, dumper, resume_from, started_from, stop_step, started)
+        summary = _train(config, ranks, device, dumper, resume_from, started_from, stop_step, started, monitor,
+                         alert_dumps)
         finished = True
         return summary
     finally:
@@ -66,7 +69,7 @@ def frozen_heap():
 
 
 def _train(config: TrainConfig, ranks: distributed.Ranks, device: Device, dumper, resume_from: Path | None,
-           started_from: Path | None, stop_step: int | None, started: float) -> dict:
+           started_from: Path | None, stop_step: int | None, started: float, monitor, alert_dumps) -> dict:
     if ranks.distributed:
         config.nproc = ranks.local_world_size
     if config.bind_cores:
@@ -98,28 +101,38 @@ def _train(config: TrainConfig, ranks: distributed.Ranks, device: Device, dumper
     global_batch = config.batch_size * ranks.world_size
 
     loop_started = time.perf_counter()
-    # Leaving the dumper's context ends its writer threads, also when training fails.
+    if monitor is not None:
+        monitor.start(policy, trainer.dumped_optimizer, step=start_step)
+    # Leaving the dumper's and the monitor's contexts ends their writer processes, also when training fails.
     with frozen_heap(), ProgressDisplay(stop_step, start_step, enabled=config.progress and ranks.main) as progress, \
-            (dumper if dumper is not None else contextlib.nullcontext()):
+            (dumper if dumper is not None else contextlib.nullcontext()), \
+            (monitor if monitor is not None else contextlib.nullcontext()):
         for step in range(start_step, stop_step):
             step_started = time.perf_counter()
             raw_batch = next(batches)
             data_time = time.perf_counter() - step_started
-            if dumper is not None:  # around the step only: reading the dataset is not the model's work
-                dumper.start(policy, step=step, manifest=manifest, optimizer=trainer.dumped_optimizer)
+            dumpers = [d for d in (dumper, alert_dumps and alert_dumps.take(step)) if d is not None]
+            for each in dumpers:  # around the step only: reading the dataset is not the model's work
+                each.start(policy, step=step, manifest=manifest, optimizer=trainer.dumped_optimizer)
             lr = optimizer.param_groups[0]["lr"]
             profiler.before(step)
             phase_started = time.perf_counter()
             loss = trainer.forward_backward(components["preprocessor"](raw_batch))
+            if monitor is not None:
+                monitor.after_backward()  # the gradients as the backward left them, before clipping
             device.synchronize()
             forward_backward_time = time.perf_counter() - phase_started
             grad_norm = trainer.step()
             device.synchronize()
             optimizer_time = time.perf_counter() - phase_started - forward_backward_time
-            if dumper is not None:
-                dumper.record_metrics(step, loss=loss, grad_norm=grad_norm, lr=lr)
-                dumper.stop()
-                dumper.step()
+            for each in dumpers:
+                each.record_metrics(step, loss=loss, grad_norm=grad_norm, lr=lr)
+                each.stop()
+                each.step()
+            if alert_dumps is not None:
+                alert_dumps.finish(step)
+            if monitor is not None and monitor.step() and alert_dumps is not None:
+                alert_dumps.schedule(step + 1)
             top_ops = profiler.after(step)
             loss = distributed.mean(loss, ranks)  # the global batch's
             device.synchronize()
@@ -154,13 +167,16 @@ def _train(config: TrainConfig, ranks: distributed.Ranks, device: Device, dumper
     return distributed.from_main(summary, ranks)
 
 
-def train_step(policy, batch, optimizer, scheduler, grad_clip_norm: float) -> tuple[float, float]:
+def train_step(policy, batch, optimizer, scheduler, grad_clip_norm: float, after_backward=None) -> tuple[float, float]:
     """One optimizer step of the bare policy in this process, as LeRobot's `update_policy` (without
-    accelerate's mixed precision); returns (loss, gradient norm before clipping)."""
+    accelerate's mixed precision); returns (loss, gradient norm before clipping). `after_backward`:
+    called between the backward and the optimizer's step (a monitor's)."""
     trainer = engines.TorchEngine(policy=policy, optimizer=optimizer, scheduler=scheduler,
                                   grad_clip_norm=grad_clip_norm, batch_size=None, zero_stage=0,
                                   ranks=distributed.Ranks(), device=None)
     loss = trainer.forward_backward(batch)
+    if after_backward is not None:
+        after_backward()
     return loss, trainer.step()
 
 
@@ -216,7 +232,7 @@ def build_components(config: TrainConfig, device: Device, ranks: distributed.Ran
 
     seed_impl = seed_all(config.seed, mode=config.deterministic, rm_dropout=config.rm_dropout, prefer=config.seed_impl)
     policy = build_policy(config.preset, input_features, output_features, device=str(device.torch_device),
-                          dtype=config.dtype, lr=config.lr, pretrained=config.pretrained)
+                          dtype=config.dtype, lr=config.lr, adam_eps=config.adam_eps, pretrained=config.pretrained)
     preprocessor, _ = make_processors(policy.config, dataset.meta.stats, tokenizer)
     optimizer = build_optimizer(policy, config.optimizer, device)
     scheduler = policy.config.get_scheduler_preset().build(optimizer, num_training_steps=config.steps)

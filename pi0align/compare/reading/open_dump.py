@@ -5,12 +5,14 @@ tenth of the time of a compare of msprobe's dumps, which are JSON."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from pi0align.compare.reading import read_msprobe
 from pi0align.compare.reading.records import Dump
 from pi0align.errors import UserError
 
+MONITOR_NAME = re.compile(r"monitor(-rank\d+)?\.h5")  # dump/monitor_file.monitor_path's names
 # An HDF5 file's first bytes (our files have no user block, which would move them to byte 512 or later)
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
@@ -51,8 +53,8 @@ def _locate(path: Path) -> tuple[list[Path] | None, Path]:
         raise UserError(f"{path}: no such file or folder")
     if _is_hdf5(path):
         return [path], path
-    if path.is_dir():
-        files = sorted(p for p in path.glob("*.h5") if _is_hdf5(p))
+    if path.is_dir():  # the run's monitor beside its dump is no dump
+        files = sorted(p for p in path.glob("*.h5") if _is_hdf5(p) and not MONITOR_NAME.fullmatch(p.name))
         if files:
             return files, path
     if read_msprobe.is_msprobe_path(path):

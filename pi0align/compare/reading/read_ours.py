@@ -47,7 +47,7 @@ def dumped_steps(path: Path) -> tuple[int, dict[int, int]]:
             steps[int(group.attrs.get("step", int(key)))] = len(role) if role is not None else 0
         return int(f.attrs.get("rank", 0)), dict(sorted(steps.items()))
 
-    return _with_file(path, read)
+    return with_file(path, read)
 
 
 def rank_of(path: Path) -> int:
@@ -56,21 +56,22 @@ def rank_of(path: Path) -> int:
         _check_format(f, path)
         return int(f.attrs.get("rank", 0))
 
-    return _with_file(path, read)
+    return with_file(path, read)
 
 
 def read_pi0align(path: Path, steps: set[int] | None = None) -> Dump:
     """Open one dump file; records are read now, tensors and samples later, on demand (the steps
     already complete never change, while a run may go on appending others)."""
-    return _with_file(path, lambda f: _read(f, path, steps), keep_open=True)
+    return with_file(path, lambda f: _read(f, path, steps), keep_open=True)
 
 
-def _with_file(path: Path, read, keep_open: bool = False):
-    """read(the open file), each problem one UserError naming the file; the file closed after,
-    or where `read` fails (`keep_open`: what it returns reads it later)."""
+def with_file(path: Path, read, keep_open: bool = False, what: str = "pi0align dump"):
+    """read(the open file), each problem one UserError naming the file (`what` it should be); the
+    file closed after, or where `read` fails (`keep_open`: what it returns reads it later). A
+    journal beside it (an append its writer was killed in) is rolled back first."""
     try:
         with journal.reading(path, LOCK_WAIT_S):
-            return _open(path, read, keep_open)
+            return _open(path, read, keep_open, what)
     except BlockingIOError:
         raise UserError(f"{path}: being written (its writer has been inside one append for over {LOCK_WAIT_S:.0f} s); "
                         "try again when it has moved on") from None
@@ -84,7 +85,7 @@ def _with_file(path: Path, read, keep_open: bool = False):
         raise UserError(f"{path}: cannot open it ({error.strerror or error})") from None
 
 
-def _open(path: Path, read, keep_open: bool):
+def _open(path: Path, read, keep_open: bool, what: str):
     try:
         f = h5py.File(path, "r", locking=False)  # the writer's lock is journal.py's, never held long
     except OSError as error:
@@ -96,7 +97,7 @@ def _open(path: Path, read, keep_open: bool):
         raise
     except (KeyError, ValueError, OSError, json.JSONDecodeError) as error:
         f.close()
-        raise UserError(f"{path}: corrupt pi0align dump ({error})") from None
+        raise UserError(f"{path}: corrupt {what} ({error})") from None
     if not keep_open:
         f.close()
     return result
