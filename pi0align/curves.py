@@ -1,7 +1,7 @@
 """Loss curves of runs side by side, as data (the notebook's and `pi0align curves`' loader).
 
     from pi0align.curves import load_runs, compare_curves
-    frame = load_runs(["dumps/gpu-run", "dumps/npu-run"])   # run, step, loss, grad_norm, lr, samples_per_s
+    frame = load_runs(["outputs/gpu-train.log", "dumps/npu-run"])   # run, step, loss, grad_norm, lr, …, window
     print(compare_curves(frame, tolerance=0.01).differences)
 """
 

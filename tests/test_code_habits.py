@@ -19,9 +19,10 @@ from conftest import REPO
 PACKAGE = Path(__file__).resolve().parent.parent / "pi0align"
 # DESIGN.md's table, top to bottom: a part may import the parts of its row and the rows above.
 LAYERS = [("errors", "cache", "native"), ("device",), ("seed", "provenance"), ("pi0",), ("train",), ("dump",),
-          ("replay",), ("compare",), ("runs",), ("auditing",), ("bisecting",), ("report",), ("cli",)]
+          ("replay",), ("compare",), ("runs",), ("attach",), ("auditing",), ("bisecting",), ("report",), ("cli",)]
 RANK = {part: i for i, row in enumerate(LAYERS) for part in row}
-KNOWS_NOTHING_OF = {"dump": {"pi0", "train"}, "compare": {"dump.capture", "dump.dumper"}, "runs": {"dump"}}
+KNOWS_NOTHING_OF = {"dump": {"pi0", "train"}, "attach": {"pi0", "train", "compare"},
+                    "compare": {"dump.capture", "dump.dumper"}, "runs": {"dump"}}
 TORCH_FREE = ("compare", "runs", "report")
 # the package's face (`pi0align.curves` names runs.curves' loader), and what tests and benches share
 OUTSIDE_THE_TABLE = {"__init__", "__main__", "curves", "testing"}

@@ -113,7 +113,9 @@ def test_bad_run_folders_end_in_one_line(runs, tmp_path):
 
 def test_curves_of_the_same_seed_are_bit_identical_and_another_learning_rate_leaves_the_band(runs):
     frame = load_runs([runs["base"], runs["same"], runs["lr"]])
-    assert list(frame.columns) == ["run", "step", "loss", "grad_norm", "lr", "samples_per_s"]
+    assert list(frame.columns) == ["run", "step", "loss", "grad_norm", "lr", "samples_per_s", "window",
+                                   "loss_resolution"]
+    assert (frame["window"] == 1).all() and (frame["loss_resolution"] == 0).all()  # every step, in full
     assert list(dict.fromkeys(frame["run"])) == ["base", "same", "lr"]  # the order given: the first is the reference
     same, lr = compare_curves(frame).differences
     assert same.identical and same.within and same.first_outside is None

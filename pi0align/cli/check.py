@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 
+from pi0align.cli.log_options import add_log_arguments, log_options
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", metavar="RUN", help="a run folder of `pi0align run`")
+    parser.add_argument("run", metavar="RUN", help="a run folder of `pi0align run`, or a log another tool left "
+                                                   "(LeRobot's console log, TensorBoard events, CSV, JSON lines)")
     chosen = parser.add_mutually_exclusive_group(required=True)
     chosen.add_argument("--baseline", metavar="NAME", help="a baseline under baselines/, or its folder")
     chosen.add_argument("--save-baseline", metavar="NAME", help="record RUN as baselines/NAME")
@@ -23,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     criteria.add_argument("--final-tolerance", type=float, metavar="X", help="largest relative error of the final loss")
     criteria.add_argument("--min-throughput", type=float, metavar="F",
                           help="images/sec at least F × the baseline's, on the same device")
+    add_log_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -34,7 +38,7 @@ def main(args: argparse.Namespace) -> int:
     from pi0align.runs.baselines import check, find_baseline, read_baseline, save_baseline
     from pi0align.runs.folder import read_run
 
-    run = read_run(args.run, need_log=True)
+    run = read_run(args.run, need_log=True, options=log_options(args))
     console = Console()
     given = {name: getattr(args, name) for name in ("tolerance", "smooth", "final_tolerance", "min_throughput")
              if getattr(args, name) is not None}

@@ -1,5 +1,7 @@
 """`pi0align curves RUN...`: loss curves of runs side by side, each against the first; with
-`--modules`, every monitored module's trends too, and where they first part.
+`--modules`, every monitored module's trends too, and where they first part. A run is a folder of
+`pi0align run` or a log another tool left (LeRobot's console log, TensorBoard events, CSV or JSON
+lines): a log of means over windows of steps is compared over its windows.
 
 Exit code: 0 every run within the tolerance (bit for bit with --exact; and every module within the
 band with --modules), 1 one is not, 2 bad input.
@@ -9,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 
+from pi0align.cli.log_options import add_log_arguments, log_options
 from pi0align.runs.curves import TOLERANCE
 from pi0align.runs.monitor import BAND
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("runs", metavar="RUN", nargs="+", help="run folders (the first is the reference)")
+    parser.add_argument("runs", metavar="RUN", nargs="+",
+                        help="run folders, or logs other tools left (the first is the reference)")
     parser.add_argument("--tolerance", type=float, default=TOLERANCE, metavar="X",
                         help="largest relative loss error per step (default: %(default)s, a port's usual line)")
     parser.add_argument("--smooth", type=int, default=1, metavar="N",
@@ -32,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                        "module quantity's first step outside and `first_outside`")
     parser.add_argument("--tensorboard", metavar="DIR", help="write the runs' logs and monitors as TensorBoard "
                                                             "scalars, a folder per run")
+    add_log_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -49,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
     for output in (args.html, args.json):
         if output:
             check_writable(output)
-    frame = load_runs(args.runs)
+    frame = load_runs(args.runs, log_options(args))
     comparison = compare_curves(frame, tolerance=args.tolerance, smooth=args.smooth, exact=args.exact)
     monitor = modules = None
     if args.modules:

@@ -30,6 +30,8 @@ examples:
 # command -> (module, one-line help). Each module has add_arguments(parser) and main(args) -> int.
 COMMANDS = {
     "run": ("pi0align.cli.run", "train LeRobot PI0 with every random source fixed, optionally dumping tensors"),
+    "attach": ("pi0align.cli.attach", "run a training command nobody edits (lerobot-train, torchrun, accelerate "
+                                      "launch …) with the dumps, the monitor and the seed of `run`"),
     "make-dataset": ("pi0align.cli.make_dataset", "write a synthetic koch-like LeRobot dataset"),
     "prepare": ("pi0align.cli.prepare", "fetch or check the weights, tokenizer and dataset a real run needs"),
     "compare": ("pi0align.cli.compare", "align two dumps, measure, judge and name the call that introduced the error"),

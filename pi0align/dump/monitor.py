@@ -33,10 +33,12 @@ def monitored_modules(model: torch.nn.Module, depth: int | None = None) -> list[
     whose path has that many parts), or by default the blocks a person thinks in: each element of
     a ModuleList (a SigLIP layer, a Gemma layer of the language model or of the action expert),
     and, outside them, each module that holds parameters of its own (the projections, heads,
-    embeddings and final norms)."""
-    if depth is not None:
-        return [(path, module) for path, module in model.named_modules() if path and path.count(".") + 1 == depth]
+    embeddings and final norms). A model with none of those (a single layer, a depth past its
+    deepest) is monitored whole, named by its class."""
     found = []
+    if depth is not None:
+        found = [(path, module) for path, module in model.named_modules() if path and path.count(".") + 1 == depth]
+        return found or [(type(model).__name__, model)]
 
     def visit(path: str, module: torch.nn.Module) -> None:
         for name, child in module.named_children():
@@ -47,7 +49,7 @@ def monitored_modules(model: torch.nn.Module, depth: int | None = None) -> list[
                 visit(child_path, child)
 
     visit("", model)
-    return found
+    return found or [(type(model).__name__, model)]
 
 
 class Monitor:

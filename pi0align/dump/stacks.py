@@ -15,8 +15,10 @@ import torch
 class Stacks:
     """Interns call-site stacks; `new` holds the ones not yet written to the file."""
 
-    # files whose frames are the machinery (torch's, the dumper's), not the call site
-    hidden = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+    # files whose frames are the machinery (torch's, the dumper's, `pi0align attach`'s wrapper of
+    # the model's forward), not the call site
+    hidden = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep,
+              os.path.join(os.path.dirname(os.path.dirname(__file__)), "attach") + os.sep)
 
     def __init__(self) -> None:
         # (module, id(code), line) -> (stack id, code): hashing a code object costs more than the

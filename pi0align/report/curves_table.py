@@ -28,6 +28,26 @@ def curves_table(frame: pd.DataFrame, comparison: CurveComparison) -> Table:
         verdict = "identical" if difference.identical else "within" if difference.within else "outside"
         table.add_row(run, str(len(own)), final, format_number(difference.mean_relative_error),
                       format_number(difference.max_relative_error),
-                      "—" if difference.first_outside is None else str(difference.first_outside), verdict,
+                      _steps(difference.first_outside, difference.window), verdict,
                       style="" if difference.within else "bold red")
+    table.caption = "\n".join(_windows_said(comparison)) or None
+    table.caption_justify = "left"
     return table
+
+
+def _steps(step: int | None, window: int) -> str:
+    """A step, or the window of steps a log's mean covers, ending at it."""
+    return "—" if step is None else str(step) if window == 1 else f"{step - window + 1}–{step}"
+
+
+def _windows_said(comparison: CurveComparison) -> list[str]:
+    """What a comparison with a log of means, or of rounded losses, compared."""
+    said = []
+    for difference in comparison.differences:
+        if difference.window > 1:
+            said.append(f"{difference.run}: compared over a log's windows of {difference.window} steps (the mean "
+                        f"it prints; a per-step run averaged over each), steps numbered from 0")
+        if difference.resolution:
+            said.append(f"{difference.run}: the logs print the loss to ±{difference.resolution:.1g}: a difference "
+                        "within it is not judged")
+    return said

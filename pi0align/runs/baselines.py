@@ -1,7 +1,8 @@
 """Reference results and a run held to them (`pi0align check RUN --baseline NAME`).
 
 A baseline is a folder (`baselines/<name>/`) holding a run's `train_log.jsonl`, `summary.json` and
-`manifest.json`, and `baseline.json`: what the run is held to (BaselineCriteria) and how the
+`manifest.json` (from a run folder, or from another tool's log: its records, windows of means
+included, and what it says of its set-up), and `baseline.json`: what the run is held to (BaselineCriteria) and how the
 reference was made. A baseline without a log documents a configuration to reproduce (the case
 study's 8-card reference) and cannot be checked against until one is recorded.
 """
@@ -11,14 +12,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from pi0align.errors import UserError, check_writable
-from pi0align.runs.curves import TOLERANCE, compare_curves
+from pi0align.runs.curves import TOLERANCE, aligned_losses, compare_curves, log_frame
 from pi0align.runs.envdiff import env_diff
 from pi0align.runs.folder import LOG, MANIFEST, SUMMARY, Run, read_run
 
@@ -111,18 +111,19 @@ def check(run: Run, baseline: Baseline, criteria: BaselineCriteria | None = None
                         f"against: run it, then record it with `pi0align check RUN --save-baseline {baseline.name}`")
     criteria = criteria or baseline.criteria
     reference = baseline.run
-    frame = pd.DataFrame([{"run": name, "step": r["step"], "loss": r["loss"]}
-                          for name, source in (("baseline", reference), ("run", run)) for r in source.log])
+    frames = {"baseline": log_frame(reference.log), "run": log_frame(run.log)}
+    frame = pd.concat([f.assign(run=name) for name, f in frames.items()], ignore_index=True)
     curve = compare_curves(frame, tolerance=criteria.tolerance, smooth=criteria.smooth).differences[0]
-    last = reference.log[-1]
-    own_last = next((r for r in run.log if r["step"] == last["step"]), None)
+    logged = len(reference.log)
+    over = f" (means over the baseline log's windows of {curve.window} steps)" if curve.window > 1 else ""
+    unit = "windows" if curve.window > 1 else "steps"
     lines = [
-        Criterion("loss curve", f"{curve.steps} steps", f"{len(reference.log)} steps",
-                  PASS if curve.within and curve.steps == len(reference.log) else FAIL,
+        Criterion("loss curve", f"{curve.steps} {unit}", f"{logged} {unit}",
+                  PASS if curve.within and curve.steps == logged else FAIL,
                   (f"first step outside ±{criteria.tolerance:g}: {curve.first_outside}; " if curve.first_outside
-                   is not None else "") + f"mean relative error {curve.mean_relative_error:.3g}"
-                  + ("" if curve.steps == len(reference.log) else "; the run lacks some of the baseline's steps")),
-        _final_loss(own_last, last, criteria.final_tolerance),
+                   is not None else "") + f"mean relative error {curve.mean_relative_error:.3g}{over}"
+                  + ("" if curve.steps == logged else "; the run lacks some of the baseline's steps")),
+        _final_loss(aligned_losses(frames["baseline"], frames["run"]), reference.log[-1], criteria.final_tolerance),
         _throughput(run, reference, criteria.min_throughput),
     ]
     setup = [line.item for line in env_diff(reference.manifest, run.manifest).matters]
@@ -131,13 +132,18 @@ def check(run: Run, baseline: Baseline, criteria: BaselineCriteria | None = None
     return Check(baseline=baseline.name, criteria=lines)
 
 
-def _final_loss(own: dict | None, reference: dict, tolerance: float) -> Criterion:
-    if own is None:
-        return Criterion("final loss", "—", f"{reference['loss']:.6g}", FAIL,
-                         f"the run has no step {reference['step']}, the baseline's last")
-    error = abs(own["loss"] - reference["loss"]) / abs(reference["loss"]) if reference["loss"] else math.inf
-    return Criterion("final loss", f"{own['loss']:.6g}", f"{reference['loss']:.6g}",
-                     PASS if error <= tolerance else FAIL, f"relative error {error:.3g} (at most {tolerance:g})")
+def _final_loss(aligned: pd.DataFrame, last: dict, tolerance: float) -> Criterion:
+    """The run's loss at the baseline's last logged step (over its window where the baseline logs means)."""
+    reference = last["loss"]
+    if last["step"] not in aligned.index:
+        return Criterion("final loss", "—", f"{reference:.6g}", FAIL,
+                         f"the run has no step {last['step']}, the baseline's last")
+    own = float(aligned.loc[last["step"], "other"])
+    error = abs(own - reference) / abs(reference) if reference else math.inf
+    window = int(aligned.loc[last["step"], "window"])
+    over = f", means of steps {last['step'] - window + 1}–{last['step']}" if window > 1 else ""
+    return Criterion("final loss", f"{own:.6g}", f"{reference:.6g}", PASS if error <= tolerance else FAIL,
+                     f"relative error {error:.3g} (at most {tolerance:g}{over})")
 
 
 def _throughput(run: Run, reference: Run, fraction: float) -> Criterion:
@@ -154,16 +160,18 @@ def _throughput(run: Run, reference: Run, fraction: float) -> Criterion:
 
 def save_baseline(run: Run, name: str, root: str | Path = "baselines", description: str = "",
                   criteria: BaselineCriteria | None = None) -> Path:
-    """Record a run as baseline `name` under `root`: its log, summary and manifest, and baseline.json."""
+    """Record a run (a run folder's, or what another tool's log holds) as baseline `name` under
+    `root`: its log, summary and manifest, and baseline.json."""
     if not name or "/" in name or name.startswith("."):
         raise UserError(f"a baseline's name is one folder name, not {name!r}")
     target = Path(root) / name
     check_writable(target)
     target.mkdir(parents=True, exist_ok=True)
-    for file in (LOG, SUMMARY, MANIFEST):
-        if (run.path / file).is_file():
-            shutil.copyfile(run.path / file, target / file)
-    described = {"name": name, "description": description or f"recorded from {run.path}",
+    (target / LOG).write_text("".join(json.dumps(record) + "\n" for record in run.log))
+    for file, content in ((SUMMARY, run.summary), (MANIFEST, run.manifest)):
+        if content:
+            (target / file).write_text(json.dumps(content, indent=2) + "\n")
+    described = {"name": name, "description": description or f"recorded from {run.path} ({run.kind})",
                  "criteria": dataclasses.asdict(criteria or BaselineCriteria())}
     (target / BASELINE).write_text(json.dumps(described, indent=2) + "\n")
     return target

@@ -49,6 +49,11 @@ def load_monitor(paths: Iterable[str | Path], *, missing_ok: bool = False) -> pd
     paths = [Path(p) for p in paths]
     frames = []
     for name, path in zip(run_names(paths), paths):
+        if path.is_file() and not _is_hdf5(path):
+            if missing_ok:
+                continue
+            raise UserError(f"{path}: a log, which holds no monitor (--modules compares the folders of `pi0align "
+                            "run` and `pi0align attach`)")
         if missing_ok and not path.is_file() and not any(path.glob("monitor*.h5")):
             continue
         monitored = read_monitor(monitor_files(path)[0])
@@ -59,6 +64,14 @@ def load_monitor(paths: Iterable[str | Path], *, missing_ok: bool = False) -> pd
             "quantity": np.array(monitored.quantities, object)[quantities.ravel()],
             "value": monitored.values.ravel()}))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
+
+
+def _is_hdf5(path: Path) -> bool:
+    try:
+        with path.open("rb") as handle:
+            return handle.read(8) == b"\x89HDF\r\n\x1a\n"
+    except OSError as error:
+        raise UserError(f"{path}: cannot read it ({error.strerror})") from None
 
 
 @dataclass(frozen=True)

@@ -194,17 +194,19 @@ def adam_kernel(eps: float | None = None, lr_scale: float = 1.0):
 class EmulatedDevice(TorchFunctionMode):
     """A device pushed into every Python process a command starts (`device_site/sitecustomize.py`,
     on PYTHONPATH, with its description as JSON in PI0ALIGN_EMULATED_DEVICE), for the tests of a
-    tool that runs the training itself (`bisect`). The `index`-th call of `function` in each forward
-    of `module` (a path in the PI0 policy whose forward is on the stack; calls outside one, such as a
-    replay's, are left as they are) is, once the policy's optimizer has made `from_update` updates
-    (its Adam step count, restored from a checkpoint: a fault that strikes from some state on),
+    tool that runs the training itself (`bisect`, `attach`). The `index`-th call of `function` in
+    each forward of `module` (a path in the policy whose forward is on the stack, `policy` its class;
+    calls outside one, such as a replay's, are left as they are) is, once the policy's optimizer has
+    made `from_update` updates (its Adam step count, restored from a checkpoint: a fault that
+    strikes from some state on),
     `factor` × itself, or, `nondeterministic`, moved by up to that relative amount drawn from the
     operating system's entropy (two runs of one step differ there)."""
 
     def __init__(self, module: str, function: str, index: int = 0, factor: float = 1.0, from_update: int = 0,
-                 nondeterministic: float = 0.0) -> None:
+                 nondeterministic: float = 0.0, policy: str = "PI0Policy") -> None:
         super().__init__()
         self.path, self.func, self.index, self.factor = module, _FUNCTIONS[function], index, factor
+        self.policy = policy  # the class name of the policy `module` is a path in
         self.from_update, self.nondeterministic = from_update, nondeterministic
         self.module: torch.nn.Module | None = None
         self._forward, self._seen = None, 0  # the module's forward running, and the calls seen in it
@@ -241,7 +243,7 @@ class EmulatedDevice(TorchFunctionMode):
         frame = sys._getframe(1)
         while frame is not None:
             owner = frame.f_locals.get("self")
-            if self.module is None and type(owner).__name__ == "PI0Policy":
+            if self.module is None and type(owner).__name__ == self.policy:
                 self.module = owner.get_submodule(self.path)
                 return self._module_forward()
             if owner is not None and owner is self.module and frame.f_code.co_name == "forward":
