@@ -1,6 +1,8 @@
 """pi0align: precision alignment and diffing for LeRobot PI0 training across devices."""
 
-__version__ = "0.1.0"
+from pi0align.version import __version__
+
+__all__ = ["__version__"]
 
 
 def __getattr__(name: str):

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from pi0align import __version__
 from pi0align.device import Device, cann_version, host_cpu, optional_version
+from pi0align.version import __version__
 
 VERSIONED_DISTRIBUTIONS = {
     "torch": "torch", "torch_npu": "torch-npu", "transformers": "transformers", "lerobot": "lerobot",

@@ -18,8 +18,9 @@ from conftest import REPO
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pi0align"
 # DESIGN.md's table, top to bottom: a part may import the parts of its row and the rows above.
-LAYERS = [("errors", "cache", "native"), ("device",), ("seed", "provenance"), ("pi0",), ("train",), ("dump",),
-          ("replay",), ("compare",), ("runs",), ("attach",), ("auditing",), ("bisecting",), ("report",), ("cli",)]
+LAYERS = [("errors", "cache", "native", "version"), ("device",), ("seed", "provenance"), ("pi0",), ("train",),
+          ("dump",), ("replay",), ("compare",), ("runs",), ("attach",), ("auditing",), ("bisecting",), ("report",),
+          ("cli",)]
 RANK = {part: i for i, row in enumerate(LAYERS) for part in row}
 KNOWS_NOTHING_OF = {"dump": {"pi0", "train"}, "attach": {"pi0", "train", "compare"},
                     "compare": {"dump.capture", "dump.dumper"}, "runs": {"dump"}}
@@ -65,6 +66,13 @@ def test_a_part_imports_only_the_parts_above_it(module):
     known = sorted(name for name in _imports(MODULES[module])
                    if any(name == f"pi0align.{f}" or name.startswith(f"pi0align.{f}.") for f in forbidden))
     assert not known, f"{module} ({part}) must know nothing of {sorted(forbidden)}: imports {known}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != "pi0align"))
+def test_nothing_inside_the_package_imports_its_root(module):
+    """The package root is the face (lazy names for users): a part that imported it would put it at
+    the bottom of the import graph, where the layering test cannot see it."""
+    assert "pi0align" not in _imports(MODULES[module]), f"{module} imports the package root"
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if _part(m) in TORCH_FREE))

@@ -10,8 +10,8 @@ import argparse
 import importlib
 import sys
 
-from pi0align import __version__
 from pi0align.errors import UserError
+from pi0align.version import __version__
 
 DESCRIPTION = """\
 Precision alignment of LeRobot PI0 training across devices (an NPU against a

@@ -6,11 +6,11 @@ from pathlib import Path
 
 from markupsafe import Markup
 
-from pi0align import __version__
 from pi0align.auditing import Audit
 from pi0align.report.audit_json import audit_summary
 from pi0align.report.output import output_path
 from pi0align.report.page import environment, static
+from pi0align.version import __version__
 
 
 def write_audit_html(result: Audit, path: str | Path, *, top: int = 10) -> Path:

@@ -9,12 +9,12 @@ import numpy as np
 import pandas as pd
 from markupsafe import Markup
 
-from pi0align import __version__
 from pi0align.report.output import output_path
 from pi0align.report.page import environment, plotly_js, script_json, static
 from pi0align.report.summary import json_safe
 from pi0align.runs.curves import CurveComparison, relative_error
 from pi0align.runs.monitor import ModuleComparison
+from pi0align.version import __version__
 
 PANELS = [("loss", "loss"), ("grad_norm", "gradient norm (before clipping)"), ("lr", "learning rate")]
 # One colour per run in every panel (plotly.js would give each trace the next colour of its

@@ -6,7 +6,6 @@ from pathlib import Path
 
 from markupsafe import Markup
 
-from pi0align import __version__
 from pi0align.compare.result import Comparison
 from pi0align.report.charts import error_by_step_figure, training_curve_figure
 from pi0align.report.module_tree import module_tree
@@ -14,6 +13,7 @@ from pi0align.report.output import output_path
 from pi0align.report.page import environment, plotly_js, script_json, static
 from pi0align.report.rowdata import row_columns, rows_json_pieces
 from pi0align.report.summary import summary
+from pi0align.version import __version__
 
 # Not table columns: `module` is already in `name`, `stack` is the name cell's tooltip.
 HIDDEN_COLUMNS = ("module", "stack")
