@@ -56,6 +56,7 @@ class Session:
         self._manifest: dict | None = None
         self._losses: list[torch.Tensor] = []
         self._grad_norm = self._lr = None
+        self._gradients_read = False  # by the monitor, this step (a script may clip several groups)
         self._step_started: float | None = None
 
     def install(self) -> None:
@@ -110,8 +111,9 @@ class Session:
             self._dumping = True
 
     def _clipping(self, original, parameters, *args, **kwargs):
-        if self._monitor is not None:
-            self._monitor.after_backward()  # the gradients as the backward left them
+        if self._monitor is not None and not self._gradients_read:
+            self._monitor.after_backward()  # the gradients as the backward left them, before a first clip
+            self._gradients_read = True
         total = original(parameters, *args, **kwargs)
         self._grad_norm = total
         return total
@@ -141,7 +143,7 @@ class Session:
             with (self.out / LOG).open("a") as log:
                 log.write(json.dumps(record) + "\n")
         self._losses.clear()
-        self._grad_norm, self._step_started = None, None
+        self._grad_norm, self._step_started, self._gradients_read = None, None, False
         self.step += 1
 
     def close(self) -> None:

@@ -43,8 +43,8 @@ def _resolution(text: str) -> float:
     return 0.0 if decimals >= 9 else 0.5 * 10.0 ** -decimals
 
 
-def _bignumber(value: float, suffix: int) -> str:
-    """LeRobot's format_bignumber(precision=0) of a count, as it prints steps."""
+def _big_number(value: float, suffix: int) -> str:
+    """LeRobot's format_big_number(precision=0) of a count, as it prints steps."""
     for _ in range(suffix):
         value /= 1000.0
     return f"{value:.0f}{_SUFFIXES[suffix - 1] if suffix else ''}"
@@ -136,7 +136,7 @@ def _exact_steps(path: Path, printed: list[tuple[int, str, dict[str, str]]],
                         "is not printed (give the log from its first step)")
     starts = [int(texts[0])] if texts[0].isdigit() else _multiples_printed_as(texts[0], log_freq)
     fitting = [start for start in starts if all(
-        text == (str(count) if text.isdigit() else _bignumber(count, _SUFFIXES.index(text[-1]) + 1))
+        text == (str(count) if text.isdigit() else _big_number(count, _SUFFIXES.index(text[-1]) + 1))
         for text, count in zip(texts, range(start, start + log_freq * len(texts), log_freq)))]
     if len(fitting) != 1:
         number = printed[0][0]
@@ -152,4 +152,4 @@ def _multiples_printed_as(text: str, log_freq: int) -> list[int]:
     value = float(text[:-1])
     low, high = int((value - 0.5) * unit), int((value + 0.5) * unit) + 1
     return [count for count in range(low - low % log_freq, high + 1, log_freq)
-            if count > 0 and _bignumber(count, suffix) == text]
+            if count > 0 and _big_number(count, suffix) == text]
