@@ -184,6 +184,10 @@ def test_a_loop_of_ones_own_is_attached_with_its_losses_unchanged(tmp_path):
     from pi0align.runs.monitor import load_monitor
 
     assert list(dumped_steps(tmp_path / "out")[0]) == [2]
+    from pi0align.compare import compare_dumps
+
+    metrics = compare_dumps(tmp_path / "out", tmp_path / "out").metrics_a  # every step's, past the dumped one
+    assert metrics["step"].tolist() == list(range(6)) and [repr(x) for x in metrics["loss"]] == plain.stdout.split()
     monitor = load_monitor([tmp_path / "out"])
     assert sorted(monitor["step"].unique()) == list(range(6))
 

@@ -129,9 +129,10 @@ class Session:
         losses = [float(loss) for loss in self._losses]
         loss = sum(losses) / len(losses) if losses else None
         grad_norm = float(self._grad_norm) if self._grad_norm is not None else None
-        if self._dumping:
+        if self._dumper is not None:  # every step's, as `run` records them: the dump's loss curves
             self._dumper.record_metrics(self.step, loss=math.nan if loss is None else loss, grad_norm=grad_norm,
                                         lr=self._lr)
+        if self._dumping:
             self._dumper.stop()
             self._dumper.step()
             self._dumping = False
@@ -145,6 +146,10 @@ class Session:
         self._losses.clear()
         self._grad_norm, self._step_started, self._gradients_read = None, None, False
         self.step += 1
+        # at exit, close() hands what is pending (the metrics of steps after the last dumped one) to
+        # the writers before their own exit handlers close them: atexit runs the last registered first
+        atexit.unregister(self.close)
+        atexit.register(self.close)
 
     def close(self) -> None:
         """At the process's exit: every dump and monitor row written; the manifest completed with the
