@@ -25,9 +25,10 @@ _LEFT_BEFORE = ("manifest.json", "train_log.jsonl", CONSOLE_LOG, "alerts.jsonl",
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=None,
+    parser.add_argument("--out", type=Path, default=None, metavar="DIR",
                         help="folder of the dumps, monitor, manifest and logs (default: dumps/attach-<time>)")
-    parser.add_argument("--seed", type=int, default=None, help="seed_all(N) before the script's own code runs")
+    parser.add_argument("--seed", type=int, default=None, metavar="N",
+                        help="seed_all(N) before the script's own code runs")
     parser.add_argument("--rm-dropout", action="store_true", help="with --seed: every dropout an identity")
     parser.add_argument("--threads", type=int, default=None, metavar="N", help="torch's CPU threads in each process")
     parser.add_argument("--dump-steps", type=parse_steps, default=None, metavar="0,10",
