@@ -9,6 +9,7 @@ from typing import Any
 from pi0align.bisecting import Bisection
 from pi0align.bisecting.probes import probe_dict
 from pi0align.report.bisect_console import probe_verdict
+from pi0align.report.curves_json import first_outside_point
 from pi0align.report.output import write_json_data
 from pi0align.report.summary import JSON_SCHEMA_VERSION, call_dict, json_safe
 
@@ -20,9 +21,7 @@ def bisection_summary(result: Bisection) -> dict[str, Any]:
         "reference": result.reference,
         "under_test": result.under_test,
         "parts_at": result.parts_at,
-        "first_module": None if result.first_module is None else {
-            "module": result.first_module.module, "quantity": result.first_module.quantity,
-            "step": result.first_module.first_outside},
+        "first_module": first_outside_point(result.first_module),
         "monitors": result.monitors,
         "searched": result.searched,
         "bound": json_safe(dataclasses.asdict(result.bound)),

@@ -9,7 +9,7 @@ from pathlib import Path
 from pi0align.report.output import write_json_data
 from pi0align.report.summary import JSON_SCHEMA_VERSION, json_safe
 from pi0align.runs.curves import CurveComparison
-from pi0align.runs.monitor import ModuleComparison
+from pi0align.runs.monitor import Leaving, ModuleComparison
 
 
 def curves_summary(comparison: CurveComparison, modules: ModuleComparison | None) -> dict:
@@ -20,10 +20,14 @@ def curves_summary(comparison: CurveComparison, modules: ModuleComparison | None
         summary["modules"] = {
             "band": modules.band, "order": modules.modules,
             "leaving": [json_safe(dataclasses.asdict(x)) for x in modules.leaving],
-            "first_outside": {run: None if first is None else {"module": first.module, "quantity": first.quantity,
-                                                               "step": first.first_outside}
-                              for run, first in modules.first_outside.items()}}
+            "first_outside": {run: first_outside_point(first) for run, first in modules.first_outside.items()}}
     return summary
+
+
+def first_outside_point(leaving: Leaving | None) -> dict | None:
+    """Where a module quantity first leaves its band, as JSON: module, quantity, step."""
+    return None if leaving is None else {"module": leaving.module, "quantity": leaving.quantity,
+                                         "step": leaving.first_outside}
 
 
 def write_curves_json(comparison: CurveComparison, modules: ModuleComparison | None, path: str | Path) -> Path:

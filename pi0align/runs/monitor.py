@@ -43,17 +43,18 @@ def load_monitor(paths: Iterable[str | Path], *, missing_ok: bool = False) -> pd
     """The monitors of runs (folders or monitor files; rank 0's), one row per run, step, module and
     quantity (COLUMNS), the runs in the order given, named as `curves` names them (`missing_ok`: a
     run without a monitor has no rows)."""
+    from pi0align.compare.reading.open_dump import is_hdf5
     from pi0align.compare.reading.read_monitor import read_monitor
     from pi0align.runs.curves import run_names
 
     paths = [Path(p) for p in paths]
     frames = []
     for name, path in zip(run_names(paths), paths):
-        if path.is_file() and not _is_hdf5(path):
+        if path.is_file() and not is_hdf5(path):
             if missing_ok:
                 continue
-            raise UserError(f"{path}: a log, which holds no monitor (--modules compares the folders of `pi0align "
-                            "run` and `pi0align attach`)")
+            raise UserError(f"{path}: no monitor (not an HDF5 file: a log holds none; --modules compares the "
+                            "folders of `pi0align run` and `pi0align attach`)")
         if missing_ok and not path.is_file() and not any(path.glob("monitor*.h5")):
             continue
         monitored = read_monitor(monitor_files(path)[0])
@@ -64,14 +65,6 @@ def load_monitor(paths: Iterable[str | Path], *, missing_ok: bool = False) -> pd
             "quantity": np.array(monitored.quantities, object)[quantities.ravel()],
             "value": monitored.values.ravel()}))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
-
-
-def _is_hdf5(path: Path) -> bool:
-    try:
-        with path.open("rb") as handle:
-            return handle.read(8) == b"\x89HDF\r\n\x1a\n"
-    except OSError as error:
-        raise UserError(f"{path}: cannot read it ({error.strerror})") from None
 
 
 @dataclass(frozen=True)

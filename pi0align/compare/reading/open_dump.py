@@ -51,10 +51,10 @@ def _locate(path: Path) -> tuple[list[Path] | None, Path]:
     """(the pi0align dump files at `path`, or None for an msprobe dump, and the path)."""
     if not path.exists():
         raise UserError(f"{path}: no such file or folder")
-    if _is_hdf5(path):
+    if is_hdf5(path):
         return [path], path
     if path.is_dir():  # the run's monitor beside its dump is no dump
-        files = sorted(p for p in path.glob("*.h5") if _is_hdf5(p) and not MONITOR_NAME.fullmatch(p.name))
+        files = sorted(p for p in path.glob("*.h5") if is_hdf5(p) and not MONITOR_NAME.fullmatch(p.name))
         if files:
             return files, path
     if read_msprobe.is_msprobe_path(path):
@@ -64,7 +64,7 @@ def _locate(path: Path) -> tuple[list[Path] | None, Path]:
     raise UserError(f"{path}: no dump inside (expected *.h5 files or msprobe step*/rank*/dump.json)")
 
 
-def _is_hdf5(path: Path) -> bool:
+def is_hdf5(path: Path) -> bool:
     """Whether `path` is an HDF5 file: the reader then says whether it is one of ours."""
     if not path.is_file():  # a folder, or a pipe (which opening would wait on)
         return False

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pi0align.runs.logs.console import is_console_log, read_console_log
+from pi0align.runs.logs.console import read_console_log
 from pi0align.runs.logs.lerobot_config import is_lerobot_config, lerobot_manifest
 from pi0align.runs.logs.records import DEFAULT_LOG_OPTIONS, Log, LogOptions, head
 from pi0align.runs.logs.tables import csv_columns, read_csv, read_json_lines
@@ -41,8 +41,9 @@ def read_log(path: Path, options: LogOptions = DEFAULT_LOG_OPTIONS) -> Log | Non
             value = None
         if isinstance(value, dict):
             return read_json_lines(path, options)
-    if is_console_log(path):
-        return read_console_log(path)
+    console = read_console_log(path)
+    if console is not None:
+        return console
     if csv_columns(first, options) is not None:
         return read_csv(path, options)
     return None

@@ -30,11 +30,6 @@ _SUFFIXES = "KMBTQ"
 _MAX_CONFIG_LINES = 5000  # LeRobot's printed config: a few hundred lines
 
 
-def is_console_log(path: Path) -> bool:
-    """Whether any line of the file is a step line of LeRobot's or pi0align's."""
-    return any(pattern.search(line) for line in lines(path) for pattern in (_LEROBOT_STEP, _RECIPE_STEP))
-
-
 def _resolution(text: str) -> float:
     """Half a unit of the last digit printed (0.741: 5e-4); 0 for a number printed in full."""
     if "e" in text.lower() or "." not in text:
@@ -50,8 +45,9 @@ def _big_number(value: float, suffix: int) -> str:
     return f"{value:.0f}{_SUFFIXES[suffix - 1] if suffix else ''}"
 
 
-def read_console_log(path: Path) -> Log:
-    """LeRobot's console log (or pi0align's recipe log): its step lines, summary lines and printed config."""
+def read_console_log(path: Path) -> Log | None:
+    """LeRobot's console log (or pi0align's recipe log): its step lines, summary lines and printed
+    config; None when no line is a step line of either (another kind of file), in one pass."""
     printed: list[tuple[int, str, dict[str, str]]] = []  # line number, step as printed, metrics
     recipe: list[tuple[int, list[str]]] = []
     summary: dict[str, Any] = {}
@@ -76,6 +72,8 @@ def read_console_log(path: Path) -> Log:
         for key, pattern in _SUMMARY.items():
             if match := pattern.search(line):
                 summary[key] = parse_number(match.group(1), path, number)
+    if not (printed or recipe):
+        return None
     if printed:
         records = _lerobot_records(path, printed, log_freq)
         kind = "lerobot-train console log"
