@@ -7,7 +7,7 @@ dump at every --every-th step, samples the resident memory of the training proce
 writer (from /proc) as the steps go by, and prints it at each tenth of the run with the growth from
 the first tenth to the last. Then compares the dump against itself three times, on its first tenth
 of dumped steps, its first half and all of them, each in a fresh process, and prints their time and
-peak resident memory: past one window of steps (compare/engine.py, ROWS_PER_WINDOW records), a
+peak resident memory: past one window of steps (compare/windows.py, ROWS_PER_WINDOW records), a
 compare's memory must not grow with the number of steps (docs/reliability.md).
 """
 
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pi0align.compare.engine import ROWS_PER_WINDOW
+from pi0align.compare.windows import ROWS_PER_WINDOW
 
 ROOT = Path(__file__).resolve().parents[1]
 # the compare's own peak, VmHWM (ru_maxrss would carry over this forking process's); its rows are

@@ -2,12 +2,15 @@
 configuration in pyproject.toml), and the parts' layering of ../shared/DESIGN.md holds, read from
 the sources: a part imports only the parts above it in the table (anywhere in a module, deferred
 imports included), `dump` knows nothing of `pi0` and `train`, `runs` nothing of `dump`, and
-`compare`, `runs` and `report` import no torch when they are imported; native code lives in `.cpp`
+`compare`, `runs` and `report` import no torch when they are imported; the import graph has no
+circle (package `__init__`s and deferred imports included), `compare`'s stages import only the
+stages before them, no function in `compare` is longer than a screen; native code lives in `.cpp`
 files, not Python strings."""
 
 from __future__ import annotations
 
 import ast
+import graphlib
 import re
 import subprocess
 import sys
@@ -55,6 +58,27 @@ def _imports(path: Path, top_level_only: bool = False) -> set[str]:
 MODULES = _modules()
 
 
+def _module_imports(path: Path) -> set[str]:
+    """The package's modules `path` imports anywhere in it: `from a.b import c` imports a.b.c where
+    that is a module, else a.b (c a name inside it)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in MODULES)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                inner = f"{node.module}.{alias.name}"
+                found.update([inner] if inner in MODULES else [node.module] if node.module in MODULES else [])
+    return found
+
+
+# compare's stages, in the order the data flow through them: a module imports only its own stage
+# and those before it (the base: the typed values every stage passes on)
+COMPARE_STAGES = {"table": 0, "rowstore": 0, "result": 0, "reading": 1, "measuring": 2, "judging": 3,
+                  "conclusion": 4, "windows": 4, "engine": 5, "calibrate": 6, "__init__": 7}
+LONGEST_FUNCTION = 80  # lines: one screen
+
+
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if _part(m) not in OUTSIDE_THE_TABLE))
 def test_a_part_imports_only_the_parts_above_it(module):
     part = _part(module)
@@ -73,6 +97,34 @@ def test_nothing_inside_the_package_imports_its_root(module):
     """The package root is the face (lazy names for users): a part that imported it would put it at
     the bottom of the import graph, where the layering test cannot see it."""
     assert "pi0align" not in _imports(MODULES[module]), f"{module} imports the package root"
+
+
+def test_the_import_graph_has_no_circle():
+    graph = graphlib.TopologicalSorter({module: _module_imports(path) - {module} for module, path in MODULES.items()})
+    try:
+        graph.prepare()
+    except graphlib.CycleError as error:
+        pytest.fail(f"an import circle: {' -> '.join(error.args[1])}")
+
+
+def _compare_stage(module: str) -> int:
+    parts = module.split(".")
+    return COMPARE_STAGES[parts[2] if len(parts) > 2 else "__init__"]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _part(m) == "compare"))
+def test_a_compare_stage_imports_only_the_stages_before_it(module):
+    later = sorted(name for name in _module_imports(MODULES[module])
+                   if _part(name) == "compare" and _compare_stage(name) > _compare_stage(module))
+    assert not later, f"{module} imports later stages: {later}"
+
+
+def test_no_function_in_compare_is_longer_than_a_screen():
+    long = [f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path in (PACKAGE / "compare").rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.end_lineno - node.lineno + 1 > LONGEST_FUNCTION]
+    assert not long, long
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if _part(m) in TORCH_FREE))
@@ -100,3 +152,14 @@ def test_native_code_lives_in_source_files():
     holders = sorted(str(path.relative_to(REPO)) for folder in ("pi0align", "tests", "bench", "scripts")
                      for path in (REPO / folder).rglob("*.py") if pattern.search(path.read_text()))
     assert not holders, f"C/C++ inside Python files: {holders}"
+
+
+def test_help_imports_only_the_command_line():
+    """`pi0align --help` answers at once: it imports the command table and nothing a command needs."""
+    script = ("import sys\nfrom pi0align.cli.main import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n"
+              "    pass\nprint(sorted(m for m in sys.modules if m.split('.')[0] not in sys.stdlib_module_names"
+              " and not m.startswith('_')))")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == str(["pi0align", "pi0align.cli", "pi0align.cli.main", "pi0align.errors",
+                                               "pi0align.version"])

@@ -58,7 +58,7 @@ def _peak_mib(a, b) -> int:
 
 
 def test_a_step_s_records_cost_the_compare_under_two_kilobytes_each(tmp_path):
-    """Within a step, every record is held (engine.py, ROWS_PER_WINDOW): its rows, the call table
+    """Within a step, every record is held (windows.py, ROWS_PER_WINDOW): its rows, the call table
     and the judging of each (docs/compare.md, Memory). 2 KB a record is a step of 500k records
     in 1 GiB; the toy's steps of 22k and 88k records are measured (noisy runs: every stage runs)."""
     peaks = {}

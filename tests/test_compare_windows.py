@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from pi0align.compare import compare_dumps, engine
+from pi0align.compare import compare_dumps, windows
 from pi0align.testing.dumpfactory import Call, Step, default_manifest, write_dump, write_msprobe_dump
 from pi0align.testing.scenarios import NOISY, Emulation, ToyRun, dump_toy
 
@@ -78,7 +78,7 @@ def test_judged_in_windows_of_steps_the_answer_is_the_whole_ones(dumps, name, st
     a, b = dumps[name]
     whole = compare_dumps(a, b)
     largest_step = np.unique(whole.table(columns=["step"])["step"], return_counts=True)[1].max()
-    monkeypatch.setattr(engine, "ROWS_PER_WINDOW", int(largest_step * steps_per_window))
+    monkeypatch.setattr(windows, "ROWS_PER_WINDOW", int(largest_step * steps_per_window))
     windowed = compare_dumps(a, b)
     assert windowed.rows_over_dtype_limits == whole.rows_over_dtype_limits
     assert _answer(windowed) == _answer(whole)
@@ -126,8 +126,8 @@ def _compare_peak(dump, rows_per_window: int, steps: int) -> tuple[str, int, int
     """(verdict, rows, peak resident KiB) of a compare of `dump` with itself at its first `steps`
     steps, in windows of `rows_per_window` records, in a process of its own."""
     # VmHWM, the process's own peak (ru_maxrss would carry over this forking process's)
-    script = ("import json, sys; from pi0align.compare import engine, compare_dumps; "
-              f"engine.ROWS_PER_WINDOW = {rows_per_window}; "
+    script = ("import json, sys; from pi0align.compare import windows, compare_dumps; "
+              f"windows.ROWS_PER_WINDOW = {rows_per_window}; "
               "r = compare_dumps(sys.argv[1], sys.argv[1], steps=range(int(sys.argv[2]))); "
               "peak = next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM')); "
               "print(json.dumps([r.verdict, sum(len(p) for p in r.row_parts(['step'])), peak]))")
@@ -177,7 +177,7 @@ def test_msprobe_dumps_of_other_steps_are_judged_in_windows_too(tmp_path, monkey
     shutil.copytree(a, b)
     shutil.rmtree(next(b.glob("step2")))
     whole = compare_dumps(a, b)
-    monkeypatch.setattr(engine, "ROWS_PER_WINDOW", 1)
+    monkeypatch.setattr(windows, "ROWS_PER_WINDOW", 1)
     windowed = compare_dumps(a, b)
     assert whole.coverage["only_a"] == 0 and windowed.coverage == whole.coverage
     assert "step 2 held by A only: not compared" in whole.notes

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import REPO, assert_one_line_error, run_cli
 
-from pi0align.compare import compare_dumps, engine
+from pi0align.compare import compare_dumps, windows
 from pi0align.compare.reading.read_monitor import read_monitor
 from pi0align.device import resolve
 from pi0align.dump.monitor_file import QUANTITIES
@@ -67,7 +67,7 @@ def test_two_processes_write_a_dump_per_rank_and_one_summary(two_process_runs):
 
 
 # Steps whose records fit in a window are judged with every rank; a step of more is judged a group
-# of ranks at a time (compare/engine.py, Window): here each rank alone (a window of one record).
+# of ranks at a time (compare/windows.py, Window): here each rank alone (a window of one record).
 WINDOWS = {"every rank at once": None, "a rank at a time": 1}
 
 
@@ -75,7 +75,7 @@ WINDOWS = {"every rank at once": None, "a rank at a time": 1}
 @pytest.mark.parametrize("rows_per_window", WINDOWS.values(), ids=WINDOWS.keys())
 def test_two_runs_of_one_seed_compare_aligned_on_every_rank(two_process_runs, rows_per_window, monkeypatch):
     if rows_per_window:
-        monkeypatch.setattr(engine, "ROWS_PER_WINDOW", rows_per_window)
+        monkeypatch.setattr(windows, "ROWS_PER_WINDOW", rows_per_window)
     result = compare_dumps(two_process_runs["a"][0], two_process_runs["b"][0], replay=False)
     assert result.verdict == "aligned" and result.rank_verdicts == {0: "aligned", 1: "aligned"}
     assert result.rows["rank"].nunique() == 2 and result.rows_over_dtype_limits == 0
@@ -99,7 +99,7 @@ def test_a_fault_on_rank_1_is_found_on_rank_1_only(two_process_runs, faulty_rank
     answers = []
     for rows_per_window in WINDOWS.values():
         if rows_per_window:
-            monkeypatch.setattr(engine, "ROWS_PER_WINDOW", rows_per_window)
+            monkeypatch.setattr(windows, "ROWS_PER_WINDOW", rows_per_window)
         result = compare_dumps(two_process_runs["a"][0], faulty_rank_1, replay=False)
         assert result.verdict == "diverged" and result.first_divergence.rank == 1
         assert result.culprits and {c.rank for c in result.culprits} == {1}

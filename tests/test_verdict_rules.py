@@ -14,17 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pi0align.compare.judging.bounds import MARGIN, introduced, reduction_condition, rounding_floor
+from pi0align.compare.judging.calls import CALL_COLUMNS
+from pi0align.compare.judging.channels import elementwise_errors, introduced_by_channel, statistic_channels
 from pi0align.compare.judging.explain import _states_after_gap, _undumped_gradients_within, unread_outputs
 from pi0align.compare.judging.identity import gradient_sources, tensor_identities
 from pi0align.compare.judging.judge import judge, median_without
 from pi0align.compare.judging.noise import rounding_level
 from pi0align.compare.judging.reference import raised_limits
-from pi0align.compare.judging.rootcause import (
-    CALL_COLUMNS,
-    elementwise_errors,
-    introduced_by_channel,
-    statistic_channels,
-)
 from pi0align.compare.judging.thresholds import DEFAULT_THRESHOLDS, UNIT_ROUNDOFF
 from pi0align.compare.judging.verdict import metric_errors, metric_limits
 from pi0align.compare.table import Table
@@ -224,7 +220,7 @@ def test_replay_names_the_side_whose_update_is_wrong(workbench):
 # -- the judging functions on hand-built tables -----------------------------------------------
 
 def _calls(**columns) -> Table:
-    """A calls table (rootcause.CALL_COLUMNS) of len(columns' arrays) forward API calls, one
+    """A calls table (calls.CALL_COLUMNS) of len(columns' arrays) forward API calls, one
     each of distinct APIs unless given; its floor and introduced_error from its errors, as
     call_table does."""
     n = len(next(iter(columns.values())))

@@ -17,8 +17,8 @@ import torch
 
 from pi0align.compare import compare_dumps
 from pi0align.compare.judging.bounds import conditions, extremes_conditions, invariant_errors, result_conditions
+from pi0align.compare.judging.culprits import culprit_order
 from pi0align.compare.judging.judge import Judgement
-from pi0align.compare.judging.rootcause import culprit_order
 from pi0align.compare.table import Table
 from pi0align.dump.perturb import UlpMover
 from pi0align.testing.devices import Fault, UlpNoise

@@ -9,9 +9,9 @@ from collections.abc import Callable
 import numpy as np
 
 from pi0align.auditing.standards import FLOOR_UNITS, families, standards
+from pi0align.compare.judging.execution import KIND_OF_DIRECTION, phases
 from pi0align.compare.judging.groups import culprit_groups, family
 from pi0align.compare.judging.judge import MIN_PEERS, STANDOUT, median_without
-from pi0align.compare.judging.rootcause import KIND_OF_DIRECTION, phases
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, dtype_class
 from pi0align.compare.measuring.memory import HeapTrimmer
 from pi0align.compare.measuring.replayed import RESULT_ROLES, RecordedCalls

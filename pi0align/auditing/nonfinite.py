@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pi0align.compare.judging.execution import KIND_OF_DIRECTION, call_directions, phases
 from pi0align.compare.judging.modules import is_module_api
-from pi0align.compare.judging.rootcause import KIND_OF_DIRECTION, call_directions, phases
 from pi0align.compare.reading.records import INPUT_ROLES, OUTPUT_ROLES, Dump, function_names, user_frames
 from pi0align.compare.result import Culprit
 from pi0align.compare.table import Groups, Table, isin

@@ -3,8 +3,8 @@
 No torch at import time: this package runs on a laptop that only has the dumps.
 """
 
+from pi0align.compare.calibrate import calibrate
 from pi0align.compare.engine import compare_dumps
-from pi0align.compare.judging.calibrate import calibrate
 from pi0align.compare.judging.thresholds import DEFAULT_THRESHOLDS, load_thresholds, parse_overrides
 from pi0align.compare.result import ROW_COLUMNS, CallRef, Comparison, Culprit
 

@@ -17,6 +17,14 @@ from pi0align.compare.table import Table
 if TYPE_CHECKING:
     import pandas as pd
 
+# The values of the rows' `pairing` (measuring/align.py), and the sets of them stages ask for: a
+# record with its counterpart of the same shape and dtype; one whose values can be measured against
+# its counterpart's (a dtype apart: compared in the looser); one with a counterpart at all.
+PAIRINGS = ("matched", "only_a", "only_b", "realigned", "shape_mismatch", "dtype_mismatch")
+SAME_SHAPE_AND_DTYPE = ("matched", "realigned")
+COMPARABLE = (*SAME_SHAPE_AND_DTYPE, "dtype_mismatch")
+PAIRED = (*COMPARABLE, "shape_mismatch")
+
 # Columns of Comparison.rows, in this order. One row per aligned pair of tensors, or per record
 # found on one side only. `a` is the benchmark (B, e.g. GPU), `b` the run under test (N, e.g. NPU).
 ROW_COLUMNS = [
@@ -73,7 +81,7 @@ class Culprit(CallRef):
     local_error_b: float = float("nan")
     local_ratio: float = float("nan")  # replay: the wrong side's local error over the other's (floored)
     bound: float = float("nan")  # the output error its inputs and rounding explain (replay: the other side's)
-    bound_by: str = ""  # what that bound is made of (rootcause.broken_bound)
+    bound_by: str = ""  # what that bound is made of (culprits.broken_bound)
 
 
 @dataclass(frozen=True)

@@ -388,7 +388,7 @@ def rule_cases() -> list[Case]:
                           ToyRun(mode="stats", exclude=hidden), ToyRun(mode="stats", exclude=hidden, device=faulty),
                           "diverged", culprit, step=0))
     # a module not dumped computes its parameters' gradients: held to the gradient entering the
-    # innermost dumped module around it (rootcause._add_gradient_sources)
+    # innermost dumped module around it (sources.add_gradient_sources)
     hidden = ("blocks.1.1/*",)
     for seed in (2, 3):
         cases.append(Case(f"mlp bf16 stats: a LayerNorm not dumped, ulp noise draw {seed}",
@@ -475,7 +475,7 @@ def level_module_cases() -> list[Case]:
     """At level module the loss's gradient (computed after the model) and the arithmetic between
     child modules (a residual sum, attention's scores and softmax) are not dumped: noise alone, and
     a difference a few times the dtype's limit in each (explain._undumped_gradients_within,
-    rootcause._add_inside_errors), on the toy models and real PI0 tiny."""
+    undumped.add_inside_errors), on the toy models and real PI0 tiny."""
     module = lambda model, dtype, **b: ToyRun(model=model, dtype=dtype, mode="stats", level="module", **b)  # noqa: E731
     cases = [Case(f"{model} bf16 stats, level module: ulp noise, no noise reference", module(model, "bf16"),
                   module(model, "bf16", device=Emulation(ulp_noise=1, ulp_seed=2)), "aligned")

@@ -39,6 +39,10 @@ from pi0align.dump.file_format import OPTIMIZER_API
 # itself (statistics see a tensor's extremes and sums, not its elements); a 3 % fault on an
 # input already 0.5 % off introduces 6×.
 MARGIN = 2.0
+# F, the error rounding alone may put on a result, in unit roundoffs u (docs/compare.md, Bounds):
+# in half precision each side rounds its result once from a wider accumulator, so the sides are at
+# most an ulp (2 u) apart in any element; in float32 and float64 the accumulation itself rounds,
+# in another order on each side: eight ulps.
 FLOOR_UNITS_HALF, FLOOR_UNITS = 2.0, 16.0
 
 # The conditions of APIs, by function name (what follows the last dot of the API); the
@@ -342,7 +346,7 @@ def _row_scaled_product_conditions(function: np.ndarray, forward: np.ndarray, of
 
 
 def extremes_conditions(calls: Table, records: Table, call_of_record: np.ndarray) -> np.ndarray:
-    """The condition of the extremes of a call's result (rootcause.introduced_by_channel): for the
+    """The condition of the extremes of a call's result (channels.introduced_by_channel): for the
     matmul family, ‖A‖ ‖B‖ / (√K ‖AB‖) over the whole batch, which also covers how an average
     (a softmax's weights times V) shrinks the result's largest magnitude against its operands';
     NaN for the other calls (their `conditions`). With the per-product C, noise in the extremes

@@ -1,7 +1,7 @@
 """Which failing rows the noise model explains, and by which rule (docs/compare.md, "Explained rows").
 
 The last stage of the verdict: rows judged against their limits (verdict.py), the calls
-(rootcause.py) and their judgement (judge.py) in, each row's final verdict and the rule that
+(calls.py) and their judgement (judge.py) in, each row's final verdict and the rule that
 turned it `warn` out (`explained_by`). A failing row is explained only by what made it, within a
 bound: a result of a call within noise, the same tensor as an explained result, a sum or a
 clipping of explained gradients (also as msprobe's `update` calls read them), a tensor made
@@ -20,6 +20,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from pi0align.compare.judging.bounds import MARGIN, half_precision, noise_floor, numels
+from pi0align.compare.judging.calls import call_ref
+from pi0align.compare.judging.channels import (
+    at_least,
+    channel_ratios,
+    elementwise_errors,
+    precision_floors,
+    row_error,
+    statistic_channels,
+)
+from pi0align.compare.judging.execution import call_directions, phases
 from pi0align.compare.judging.identity import (
     RESULT_ROLES,
     accumulated_gradient_sources,
@@ -28,18 +38,9 @@ from pi0align.compare.judging.identity import (
 )
 from pi0align.compare.judging.judge import Judgement, Position, downstream
 from pi0align.compare.judging.modules import containing, enclosing_paths, is_module_api
-from pi0align.compare.judging.rootcause import (
-    at_least,
-    call_directions,
-    channel_ratios,
-    elementwise_errors,
-    phases,
-    precision_floors,
-    row_error,
-    statistic_channels,
-)
-from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, looser_classes
-from pi0align.compare.reading.records import subjects
+from pi0align.compare.judging.thresholds import unit_roundoffs
+from pi0align.compare.judging.verdict import checksums_known
+from pi0align.compare.reading.records import OUTPUT_ROLES, subjects
 from pi0align.compare.result import CallRef
 from pi0align.compare.table import Groups, Table, gather, isin, lookup
 
@@ -79,7 +80,8 @@ class Explanation:
 def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np.ndarray, producer: np.ndarray,
             calls: Table, judgement: Judgement, earlier: Sequence[Position] = (),
             states_before: Table | None = None, noisy_start: bool = False) -> Explanation:
-    """The rows' final verdicts: failing rows the noise model explains become `warn`, each labelled.
+    """The rows' final verdicts: failing rows the noise model explains become `warn`, each labelled;
+    the outputs of a culprit found by exact evidence that differ, `fail`.
     `identity`, `producer`: which records hold the same tensor, and which record produced it.
     Where steps before these rows' were judged apart: `earlier`, each rank's first culprit among
     them (judge.Position); `states_before`, the optimizer's latest state outputs
@@ -116,6 +118,9 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
     settle(_undumped_gradients_within(rows, identity, np.where(rounding, np.nan, sources), fine()), "sent_back")
     final = verdict.copy()
     final[(verdict == "fail") & (labels != "") & (labels != "limits")] = "warn"
+    # a culprit found by exact evidence fails its differing outputs: a change its statistics may not see
+    exact = rows_of(rows, calls, judgement.culprit & (judgement.evidence == "exact"))
+    final[exact & isin(rows["role"], OUTPUT_ROLES) & ~rows["identical"].astype(bool)] = "fail"
     return Explanation(verdict=final, explained_by=labels)
 
 
@@ -139,21 +144,15 @@ def _before_first(rows: Table, calls: Table, judgement: Judgement, earlier: Sequ
                        judgement.culprit, inclusive=True, earlier=earlier)
 
 
-def _units(rows: Table) -> np.ndarray:
-    """Each row's unit roundoff, of the looser of its two dtypes (0 where it has none)."""
-    classes = looser_classes(rows["dtype_a"], rows["dtype_b"]).tolist()
-    return np.array([UNIT_ROUNDOFF[c] if c else 0.0 for c in classes])
-
-
 def _floors(rows: Table) -> np.ndarray:
-    return noise_floor(_units(rows))
+    return noise_floor(unit_roundoffs(rows["dtype_a"], rows["dtype_b"]))
 
 
 def _gradient_sums_within(rows: Table, identity: np.ndarray, error: np.ndarray, sources: np.ndarray,
                           verdict: np.ndarray, fine: np.ndarray) -> np.ndarray:
     """Incoming gradients (`grad_output`) within MARGIN × the bound of the sum of what their
     tensor's readers sent back (identity.py; each term's error from `sources`,
-    rootcause.elementwise_errors), every one of those explained."""
+    channels.elementwise_errors), every one of those explained."""
     failing_unexplained = (verdict == "fail") & ~fine
     bound, readers_fail = gradient_sources(rows, identity, sources, failing_unexplained)
     gradient = (rows["direction"] == "backward") & (rows["role"] == "grad_output")
@@ -182,7 +181,7 @@ def _accumulated_within(rows: Table, identity: np.ndarray, producer: np.ndarray,
 def _clipped_within(rows: Table, error: np.ndarray, sources: np.ndarray, fine: np.ndarray) -> np.ndarray:
     """The gradient an optimizer update reads (input 1: after clipping, which is not dumped): the
     parameter's gradient times max_norm / ‖all gradients‖, so within MARGIN × (the error the
-    gradient may carry, `sources`: rootcause.elementwise_errors, + the error of the total norm),
+    gradient may carry, `sources`: channels.elementwise_errors, + the error of the total norm),
     the gradient explained. (Sampled at other positions than the gradient's record, its elements'
     differences are known from the gradient's floor, not its samples.)"""
     update_grad = (rows["direction"] == "optimizer") & (rows["role"] == "input") & (rows["arg_index"] == 1)
@@ -209,7 +208,7 @@ def _clipped_within(rows: Table, error: np.ndarray, sources: np.ndarray, fine: n
 
 STATE_KEYS = ("step", "rank", "name", "arg_index", "checksum_a", "checksum_b")
 # per state output, beside its keys: whether it passed or was explained, its error as a source
-# (rootcause.elementwise_errors), its norm, whether it holds no negative element on either side,
+# (channels.elementwise_errors), its norm, whether it holds no negative element on either side,
 # and the error and norm of the gradient its update read (input 1, `_gradient_errors`)
 STATE_FACTS = ("fine", "error", "norm", "nonnegative", "gradient_error", "gradient_norm")
 
@@ -237,7 +236,7 @@ def optimizer_states(rows: Table, verdict: np.ndarray, rounding: np.ndarray, bef
 
 def _states(rows: Table, fine: np.ndarray, sources: np.ndarray, rounding: np.ndarray) -> Table:
     """Every state output of these rows, by STATE_KEYS and STATE_FACTS (`fine`: the rows that pass
-    or are explained; `sources`: rootcause.elementwise_errors; `rounding`: gradients at rounding
+    or are explained; `sources`: channels.elementwise_errors; `rounding`: gradients at rounding
     level)."""
     chosen = np.flatnonzero(_state_outputs(rows))
     gradient_error, gradient_norm = _gradient_errors(rows, chosen, sources, rounding)
@@ -279,8 +278,7 @@ def _states_within(rows: Table, fine: np.ndarray, states_before: Table | None) -
         return np.zeros(len(rows), bool)
     keys = STATE_KEYS[1:]
     previous = lookup([rows["step"] - 1, *(rows[k] for k in keys)], [explained[k] for k in STATE_KEYS])
-    known = (rows["checksum_a"] != -1) & (rows["checksum_b"] != -1)
-    return states & known & (previous >= 0)
+    return states & checksums_known(rows) & (previous >= 0)
 
 
 def _states_after_gap(rows: Table, fine: np.ndarray, error: np.ndarray, sources: np.ndarray, rounding: np.ndarray,
@@ -335,7 +333,7 @@ def _undumped_gradients_within(rows: Table, identity: np.ndarray, sources: np.nd
     """Incoming gradients (`grad_output`) of an output no dumped call read (`unread_outputs`): code
     that was not dumped sent them back (a loss after the model, an operation filtered out, at level
     module the arithmetic between modules). Each is held channel by channel
-    (rootcause.channel_ratios), through C = 1 as an API whose condition is not known, to what that
+    (channels.channel_ratios), through C = 1 as an API whose condition is not known, to what that
     code could read (`_read_by_code_not_dumped`), within MARGIN, each of those passing or explained
     (`fine`; `sources`: elementwise_errors, NaN for what is no source). A loss that amplifies its
     output's error (a target near the output) is not explained."""
@@ -346,7 +344,7 @@ def _undumped_gradients_within(rows: Table, identity: np.ndarray, sources: np.nd
         return explained
     summed, extremes, spread = statistic_channels(rows)
     summed_sources = at_least(summed, precision_floors(rows))
-    half, floors = half_precision(_units(rows)), _floors(rows)
+    half, floors = half_precision(unit_roundoffs(rows["dtype_a"], rows["dtype_b"])), _floors(rows)
     for g, read in zip(candidates.tolist(), _read_by_code_not_dumped(rows, identity, output, candidates)):
         if not fine[read].all():
             continue
@@ -458,7 +456,6 @@ def first_failing(rows: Table) -> tuple[int, tuple[int, int, int, float]]:
 def unexplained_source(rows: Table, calls: Table, identity: np.ndarray, stack_of) -> tuple[CallRef | None, str]:
     """The call of the first failing row in execution order (`first_failing`), where no call is a
     culprit, and a note saying what that row is: the unrecorded operation or input that parted first."""
-    from pi0align.compare.judging.rootcause import call_ref
 
     row, _ = first_failing(rows)
     call = calls_of(rows, calls)[row]

@@ -51,7 +51,7 @@ def family_counts(calls: Table, counts: dict[tuple[str, str], tuple[int, int]] |
 def culprit_groups(guilty: Table, blame: np.ndarray, counts: dict[tuple[str, str], tuple[int, int]],
                    hyper_parameters: list[tuple[str, object, object]]) -> list[CulpritGroup]:
     """The groups in the order of their first culprit (`guilty`: the culprits' calls in
-    rootcause.culprit_order, earliest step, then the step's phase, most blame first, with their
+    culprits.culprit_order, earliest step, then the step's phase, most blame first, with their
     `blame`), most culprits first among equals: the finding that parted the runs first leads.
     counts: `family_counts` of every judged call; hyper_parameters: the optimizer settings that differ."""
     if not len(guilty):

@@ -13,11 +13,11 @@ import numpy as np
 
 from pi0align.compare.judging.modules import is_module_api, within
 from pi0align.compare.reading.records import OUTPUT_ROLES, function_names
+from pi0align.compare.result import COMPARABLE
 from pi0align.compare.table import Table, isin, key_codes, lookup
 
 RESULT_ROLES = (*OUTPUT_ROLES, "parameter")  # what a call, a parameter or the batch hands on
 _FINGERPRINT = ("min", "max", "mean", "norm")
-_PAIRED = ("matched", "realigned", "dtype_mismatch")
 # calls that hand on their input's values (a dtype conversion, a copy): one that runs on one side
 # only (`.float()` of a bf16 tensor; of a float32 one it is no call) hands on its input's tensor
 VALUE_PRESERVING = frozenset({"float", "double", "half", "bfloat16", "to", "type_as", "type", "contiguous", "clone",
@@ -29,7 +29,7 @@ def tensor_identities(rows: Table) -> np.ndarray:
     rank and step); -1 where that cannot be told (a record on one side only, no checksum and no
     statistics)."""
     n = len(rows)
-    paired = isin(rows["pairing"], _PAIRED)
+    paired = isin(rows["pairing"], COMPARABLE)
     checksum_a, checksum_b = (_through_one_sided_copies(rows, side) for side in "ab")
     by_checksum = paired & (checksum_a != -1) & (checksum_b != -1)
     stats = np.column_stack([rows[f"{s}_{side}"].astype(np.float64) for s in _FINGERPRINT for side in "ab"])

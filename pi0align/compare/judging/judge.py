@@ -43,11 +43,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from pi0align.compare.judging.bounds import MARGIN, half_precision, rounding_floor
+from pi0align.compare.judging.execution import PHASES, phases
 from pi0align.compare.judging.modules import enclosing_modules, innermost, is_module, is_module_api
+from pi0align.compare.judging.verdict import checksums_known
+from pi0align.compare.result import SAME_SHAPE_AND_DTYPE
 from pi0align.compare.table import Groups, Table, isin
 
 NOISE_MODELS = ("replay", "exact", "reference", "intrinsic")
-# where a call ran: (rank, step, phase of the step (rootcause.PHASES), sequence number)
+# where a call ran: (rank, step, phase of the step (execution.PHASES), sequence number)
 Position = tuple[int, int, int, float]
 # introduced error ≥ this × the median of its API's calls, by the measure it was judged by: under
 # noise, an API's calls spread up to 2.8× around their median when judged by statistics (the
@@ -210,8 +213,7 @@ def bit_comparable(rows: Table, identical: np.ndarray, diff: list, manifest: dic
     is handed and returns the same bits on both sides. `manifest`: A's."""
     if not computes_alike(diff, manifest):
         return False
-    known = (rows["checksum_a"] != -1) & (rows["checksum_b"] != -1) & (rows["direction"] == "forward")
-    known &= isin(rows["pairing"], ("matched", "realigned"))
+    known = checksums_known(rows) & (rows["direction"] == "forward") & isin(rows["pairing"], SAME_SHAPE_AND_DTYPE)
     module_call = is_module_api(rows["api"])
     first = known & ~module_call  # a module's output comes at its end
     if not first.any():
@@ -300,7 +302,6 @@ def median_without(ordered: list[float], removed: list[float]) -> float:
 
 def after_first(calls: Table, selected: np.ndarray, earlier: Sequence[Position] = ()) -> np.ndarray:
     """Calls downstream of the first selected call (`downstream`, that call itself not)."""
-    from pi0align.compare.judging.rootcause import phases
 
     return downstream(calls["rank"], calls["step"], phases(calls["direction"]), calls["seq_a"], calls, selected,
                       earlier=earlier)
@@ -312,7 +313,6 @@ SHARED_PHASES = ("update", "in_optimizer", "optimizer")
 
 def first_positions(calls: Table, selected: np.ndarray) -> list[Position]:
     """The first selected call of each rank, in execution order, as a Position."""
-    from pi0align.compare.judging.rootcause import phases
 
     call_phase = phases(calls["direction"])
     firsts = []
@@ -331,7 +331,6 @@ def downstream(rank: np.ndarray, step: np.ndarray, phase: np.ndarray, seq: np.nd
     ranks of one run train one model, so a call that parts a rank reaches every rank at the next
     step, and at its own step in the phases that read the all-reduced gradients (SHARED_PHASES).
     `earlier`: first culprits found among calls judged before (earlier steps), as if selected."""
-    from pi0align.compare.judging.rootcause import PHASES
 
     after = np.zeros(len(rank), bool)
     seq = np.asarray(seq, np.float64)

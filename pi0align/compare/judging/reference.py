@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pi0align.compare.judging.noise import rounding_floor
+from pi0align.compare.judging.noise import rounding_share
 from pi0align.compare.reading.records import Dump
 from pi0align.compare.table import Groups, Table, gather, lookup
 from pi0align.errors import UserError
@@ -25,7 +25,7 @@ def raised_limits(rows: Table, limits: dict, reference: Table, reference_errors:
     """Each row's limits raised to the noise reference, metric by metric: to MARGIN × that metric's
     envelope, the largest error the reference (A against REF) shows on the records of the calls of
     A within WINDOW calls of the row's call, in execution order. Records whose norm is at rounding
-    level beside the largest record of their call (noise.rounding_floor) take no part: their
+    level beside the largest record of their call (noise.rounding_share) take no part: their
     relative error is about 1 by rounding alone, and would lift the limits of a window of calls to
     MARGIN × 100 %. Never stricter than the dtype limits; rows of calls the reference lacks keep them."""
     keys = ("rank", "step", "direction")
@@ -33,7 +33,7 @@ def raised_limits(rows: Table, limits: dict, reference: Table, reference_errors:
     calls = Groups(*(reference[k][known] for k in keys), reference["seq_a"][known])
     norm = np.nan_to_num(reference["norm_a"].astype(np.float64)[known], nan=0.0)
     largest = calls.max(norm)[calls.codes]
-    significant = norm >= rounding_floor(reference["dtype_a"][known], reference["dtype_b"][known]) * largest
+    significant = norm >= rounding_share(reference["dtype_a"][known], reference["dtype_b"][known]) * largest
     first = np.flatnonzero(known)[calls.first]
     call_keys = [*(reference[k][first] for k in keys), reference["seq_a"][first].astype(np.float64)]
     order = np.lexsort(call_keys[::-1])  # calls in execution order within (rank, step, direction)

@@ -23,10 +23,15 @@ JUDGED_ERRORS = ["rel_l2_err", "norm_rel_err", "mean_val_rel_err", "min_rel_err"
 THRESHOLD_KEYS = JUDGED_ERRORS + ["cosine", "warn_fraction"]
 
 
+# A pair warns above a tenth of a limit: an order of magnitude under the fault the limit marks,
+# where a kernel's drift first shows (docs/compare.md, Thresholds).
+WARN_FRACTION = 0.1
+
+
 def _limits(relative: float, cosine: float) -> dict[str, float]:
     return {"rel_l2_err": relative, "norm_rel_err": relative, "mean_val_rel_err": relative,
             "min_rel_err": relative, "max_val_rel_err": relative, "nan_inf_mismatch": 0.0,
-            "cosine": cosine, "warn_fraction": 0.1}
+            "cosine": cosine, "warn_fraction": WARN_FRACTION}
 
 
 # float32 1e-4: Ascend's operator precision standard for fp32 (relative error within 1/10000,
@@ -70,6 +75,18 @@ def looser_classes(dtypes_a, dtypes_b) -> np.ndarray:
     a, b = np.asarray(dtypes_a, object), np.asarray(dtypes_b, object)
     table = {pair: looser(*pair) if pair[0] and pair[1] else "" for pair in set(zip(a.tolist(), b.tolist()))}
     return np.array([table[pair] for pair in zip(a.tolist(), b.tolist())], dtype=object)
+
+
+def unit_roundoffs(dtypes_a, dtypes_b=None) -> np.ndarray:
+    """Per record, the unit roundoff of its dtype, or of the looser of its two dtypes where both
+    columns are given; 0 where it has none."""
+    if dtypes_b is not None:
+        classes = looser_classes(dtypes_a, dtypes_b)
+    else:
+        names = np.asarray(dtypes_a, object)
+        table = {d: dtype_class(d) if d else "" for d in set(names.tolist())}
+        classes = np.array([table[d] for d in names.tolist()], dtype=object)
+    return np.array([UNIT_ROUNDOFF[c] if c else 0.0 for c in classes.tolist()], np.float64)
 
 
 def load_thresholds(path: str | Path | None = None, overrides: dict[str, float | str] | None = None,

@@ -10,10 +10,8 @@ import numpy as np
 from pi0align.compare.judging.reference import raised_limits
 from pi0align.compare.judging.thresholds import JUDGED_ERRORS, looser_classes
 from pi0align.compare.measuring.metrics import relative
+from pi0align.compare.result import COMPARABLE, SAME_SHAPE_AND_DTYPE
 from pi0align.compare.table import Table, isin
-
-JUDGED_PAIRINGS = ("matched", "realigned", "dtype_mismatch")  # shape mismatches cannot be compared
-
 
 JUDGED = (*JUDGED_ERRORS, "cosine")  # cosine is judged as 1 - cosine against 1 - its limit
 
@@ -28,7 +26,7 @@ def metric_errors(rows: Table) -> dict[str, np.ndarray]:
 def metric_limits(rows: Table, thresholds: dict) -> dict[str, np.ndarray]:
     """Each judged error's limit per row (cosine: 1 - limit), NaN where the pair is not judged.
     A pair of two dtypes is judged by the looser one's thresholds."""
-    judged = isin(rows["pairing"], JUDGED_PAIRINGS)
+    judged = isin(rows["pairing"], COMPARABLE)
     classes = np.where(judged, looser_classes(rows["dtype_a"], rows["dtype_b"]), "")
     limits = {m: np.full(len(rows), np.nan) for m in JUDGED}
     for cls in set(classes[judged]):
@@ -89,13 +87,18 @@ def judge_rows(rows: Table, thresholds: dict, reference: Table | None = None) ->
 
 def identical_values(rows: Table) -> np.ndarray:
     """Rows whose two records hold the same bits (equal checksums, both known)."""
-    a, b = rows["checksum_a"].astype(np.int64), rows["checksum_b"].astype(np.int64)
-    return (a == b) & (a != -1) & (b != -1) & isin(rows["pairing"], ("matched", "realigned"))
+    same = rows["checksum_a"].astype(np.int64) == rows["checksum_b"].astype(np.int64)
+    return same & checksums_known(rows) & isin(rows["pairing"], SAME_SHAPE_AND_DTYPE)
+
+
+def checksums_known(rows: Table) -> np.ndarray:
+    """Rows whose two records both carry a checksum (-1: none, as msprobe's statistics)."""
+    return (rows["checksum_a"] != -1) & (rows["checksum_b"] != -1)
 
 
 def data_differ(rows: Table, identical: np.ndarray) -> np.ndarray:
     """Data records (the batch) of one dtype whose bits differ: the batch is read, not computed, so
     it holds no rounding noise, and one changed sample in sixteen moves its statistics less than
     bf16's limits."""
-    known = (rows["checksum_a"] != -1) & (rows["checksum_b"] != -1) & (rows["dtype_a"] == rows["dtype_b"])
-    return (rows["direction"] == "data") & known & ~identical & isin(rows["pairing"], ("matched", "realigned"))
+    known = checksums_known(rows) & (rows["dtype_a"] == rows["dtype_b"])
+    return (rows["direction"] == "data") & known & ~identical & isin(rows["pairing"], SAME_SHAPE_AND_DTYPE)

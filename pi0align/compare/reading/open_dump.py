@@ -6,6 +6,8 @@ tenth of the time of a compare of msprobe's dumps, which are JSON."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from pi0align.compare.reading import read_msprobe
@@ -17,34 +19,77 @@ MONITOR_NAME = re.compile(r"monitor(-rank\d+)?\.h5")  # dump/monitor_file.monito
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
+@dataclass(frozen=True)
+class Run:
+    """A run located once: its dump files by rank (ours; None for an msprobe folder) and the steps
+    each rank holds, complete or not, with their numbers of records (None where not known without
+    reading them). A compare hands it to every window and worker, which open it at their steps."""
+
+    path: Path
+    files: Mapping[int, Path] | None
+    held: Mapping[int, Mapping[int, int | None]]
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.held)
+
+    def steps(self) -> set[int]:
+        """The steps any rank holds."""
+        return set().union(*self.held.values()) if self.held else set()
+
+    def wanted(self, steps: set[int] | None) -> Run:
+        """This run holding only those of `steps` it holds (all when None)."""
+        if steps is None:
+            return self
+        return Run(self.path, self.files, {rank: {step: count for step, count in held.items() if step in steps}
+                                          for rank, held in self.held.items()})
+
+    def open(self, steps: set[int] | None = None, ranks: set[int] | None = None) -> dict[int, Dump]:
+        """{rank: Dump} of every rank (of `ranks`, when given), holding the records of `steps` (all
+        when None)."""
+        if self.files is None:
+            return read_msprobe.read_msprobe(self.path, steps, ranks)
+        from pi0align.compare.reading import read_ours
+
+        opened: dict[int, Dump] = {}
+        try:
+            for rank, file in self.files.items():
+                if ranks is None or rank in ranks:
+                    opened[rank] = read_ours.read_pi0align(file, steps)
+        except BaseException:
+            close_run(opened)
+            raise
+        return opened
+
+
+def locate_run(path: str | Path) -> Run:
+    """The run at `path`: a dump file, a run folder of one file per rank, or an msprobe folder."""
+    files, path = _locate(Path(path))
+    if files is None:
+        return Run(path, None, read_msprobe.dumped_steps(path))
+    from pi0align.compare.reading import read_ours
+
+    held = [(file, *read_ours.dumped_steps(file)) for file in files]
+    by_rank = _by_rank([(rank, file, (file, steps)) for file, rank, steps in held], path)
+    return Run(path, {rank: file for rank, (file, _) in by_rank.items()},
+               {rank: steps for rank, (_, steps) in by_rank.items()})
+
+
 def open_run(path: str | Path, steps: set[int] | None = None, ranks: set[int] | None = None) -> dict[int, Dump]:
     """{rank: Dump} for every rank found at `path` (of `ranks`, when given), holding the records of
     `steps` (all when None)."""
-    files, path = _locate(Path(path))
-    if files is None:
-        return read_msprobe.read_msprobe(path, steps, ranks)
-    from pi0align.compare.reading import read_ours
-
-    if ranks is not None:
-        files = [file for file in files if read_ours.rank_of(file) in ranks]
-    dumps = [read_ours.read_pi0align(file, steps) for file in files]
-    try:
-        return _by_rank([(dump.rank, file, dump) for file, dump in zip(files, dumps)], path)
-    except UserError:
-        for dump in dumps:
-            dump.close()
-        raise
+    return locate_run(path).open(steps, ranks)
 
 
-def dumped_steps(path: str | Path) -> dict[int, dict[int, int | None]]:
+def dumped_steps(path: str | Path) -> Mapping[int, Mapping[int, int | None]]:
     """{rank: {step: its number of records, None where not known without reading them}} of the
     steps held at `path`, complete or not, without reading their records."""
-    files, path = _locate(Path(path))
-    if files is None:
-        return read_msprobe.dumped_steps(path)
-    from pi0align.compare.reading import read_ours
+    return locate_run(path).held
 
-    return _by_rank([(rank, file, steps) for file in files for rank, steps in [read_ours.dumped_steps(file)]], path)
+
+def close_run(runs: dict[int, Dump]) -> None:
+    for dump in runs.values():
+        dump.close()
 
 
 def _locate(path: Path) -> tuple[list[Path] | None, Path]:

@@ -50,15 +50,6 @@ def dumped_steps(path: Path) -> tuple[int, dict[int, int]]:
     return with_file(path, read)
 
 
-def rank_of(path: Path) -> int:
-    """The rank whose records the file holds, without reading them."""
-    def read(f: h5py.File) -> int:
-        _check_format(f, path)
-        return int(f.attrs.get("rank", 0))
-
-    return with_file(path, read)
-
-
 def read_pi0align(path: Path, steps: set[int] | None = None) -> Dump:
     """Open one dump file; records are read now, tensors and samples later, on demand (the steps
     already complete never change, while a run may go on appending others)."""
