@@ -1,4 +1,4 @@
-"""Step time of PI0 training with the monitor (dump/monitor.py), as a ratio to the same steps
+"""Step time of PI0 training with the monitor (dump/monitoring/monitor.py), as a ratio to the same steps
 without it: small preset, CPU (or --device), one CPU thread, plain and monitored steps alternating
 in one process, each monitored step timed against the plain step just before it, `--pairs` times a
 round, the round's ratio their median (as bench/dump_overhead.py, whose steps and alternation it
@@ -36,8 +36,8 @@ def main() -> int:
     if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):  # the allocator's thresholds, as the dump bench
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
 
-    from pi0align.dump.alerts import AlertRules
-    from pi0align.dump.monitor import Monitor
+    from pi0align.dump.monitoring.alerts import AlertRules
+    from pi0align.dump.monitoring.monitor import Monitor
     from pi0align.train.loop import frozen_heap
 
     with tempfile.TemporaryDirectory() as work:

@@ -11,8 +11,8 @@ def __getattr__(name: str):
         from pi0align.dump import Dumper
 
         return Dumper
-    if name == "Monitor":  # every module at every step (pi0align/dump/monitor.py)
-        from pi0align.dump.monitor import Monitor
+    if name == "Monitor":  # every module at every step (pi0align/dump/monitoring/monitor.py)
+        from pi0align.dump.monitoring.monitor import Monitor
 
         return Monitor
     if name == "load_monitor":  # runs' monitors as one DataFrame (pi0align/runs/monitor.py)

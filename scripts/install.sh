@@ -26,5 +26,5 @@ if [ "${1:-}" = test ] && ! command -v chromium >/dev/null; then
 fi
 # The dump's C++ extension and kernel, built now rather than at the first dumped run (about 15 s;
 # cached under $PI0ALIGN_CACHE, else ~/.cache/pi0align). Without a compiler the dumper falls back.
-.venv/bin/python -c "from pi0align.dump.backend import choose_backend; b = choose_backend('auto'); print('dump backend:', b.name, '-', b.status)"
+.venv/bin/python -c "from pi0align.dump.backends.backend import choose_backend; b = choose_backend('auto'); print('dump backend:', b.name, '-', b.status)"
 echo "pi0align installed in $(pwd)/.venv"

@@ -104,7 +104,7 @@ def backend(request) -> str:
 
 def require_native():
     """The native dump backend, or skip the test with the reason it cannot be built here."""
-    from pi0align.dump.native_backend import NativeBackend
+    from pi0align.dump.backends.native_backend import NativeBackend
 
     loaded = NativeBackend.load()
     if isinstance(loaded, str):

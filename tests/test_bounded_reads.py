@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_compare_readers import tensor_pickle
 
-from pi0align.dump.journal import journal_path
+from pi0align.dump.writing.journal import journal_path
 from pi0align.testing.dumpfactory import run_toy_model, write_dump
 
 LIMIT = 640 << 20  # what a compare's address space may grow by: Python, numpy, h5py and their threads

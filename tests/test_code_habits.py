@@ -26,7 +26,7 @@ LAYERS = [("errors", "cache", "native", "version"), ("device",), ("seed", "prove
           ("cli",)]
 RANK = {part: i for i, row in enumerate(LAYERS) for part in row}
 KNOWS_NOTHING_OF = {"dump": {"pi0", "train"}, "attach": {"pi0", "train", "compare"},
-                    "compare": {"dump.capture", "dump.dumper"}, "runs": {"dump"}}
+                    "compare": {"dump.capturing", "dump.dumper"}, "runs": {"dump"}}
 TORCH_FREE = ("compare", "runs", "report")
 # the package's face (`pi0align.curves` names runs.curves' loader), and what tests and benches share
 OUTSIDE_THE_TABLE = {"__init__", "__main__", "curves", "testing"}

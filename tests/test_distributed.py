@@ -17,7 +17,7 @@ from conftest import REPO, assert_one_line_error, run_cli
 from pi0align.compare import compare_dumps, windows
 from pi0align.compare.reading.read_monitor import read_monitor
 from pi0align.device import resolve
-from pi0align.dump.monitor_file import QUANTITIES
+from pi0align.dump.monitoring.monitor_file import QUANTITIES
 from pi0align.errors import UserError
 from pi0align.runs.envdiff import DIFFERS, MATTERS, env_diff
 from pi0align.runs.folder import read_run

@@ -96,7 +96,7 @@ def test_the_tensors_of_a_call_are_found_alike_in_cpp_and_python(native):
     import collections
     from collections.abc import Mapping
 
-    from pi0align.dump.arguments import tensors_of
+    from pi0align.dump.capturing.arguments import tensors_of
 
     class Frozen(Mapping):  # a mapping that is not a dict
         def __init__(self, **items):

@@ -14,8 +14,8 @@ from conftest import require_native
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pi0align.dump.arguments import describe_arguments
-from pi0align.dump.stacks import Stacks, call_site
+from pi0align.dump.capturing.arguments import describe_arguments
+from pi0align.dump.capturing.stacks import Stacks, call_site
 
 
 class Color(enum.IntEnum):

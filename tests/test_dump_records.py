@@ -15,7 +15,7 @@ import torch
 from conftest import require_native
 
 from pi0align import Dumper
-from pi0align.dump.capture import _ApiMode
+from pi0align.dump.capturing.capture import _ApiMode
 from pi0align.testing import dump_helpers
 from pi0align.testing.dump_helpers import Net, find, manifest, read_step, record_rows, reference_checksum, train_steps
 
@@ -348,8 +348,8 @@ def test_the_native_calls_table_holds_the_rows_that_steplog_s_own_holds():
     """The native backend opens a step's calls without a Python frame (csrc/calls_table.cpp):
     the same rows as StepLog's own methods, the reference, and the same error for a call that is
     not in the table."""
-    from pi0align.dump.steplog import StepLog
-    from pi0align.dump.torch_backend import TorchBackend
+    from pi0align.dump.backends.steplog import StepLog
+    from pi0align.dump.backends.torch_backend import TorchBackend
 
     backends = (TorchBackend("chosen"), require_native())
     logs = [StepLog(0, backend.records(True, None, None), None) for backend in backends]

@@ -9,8 +9,8 @@ import torch
 from conftest import require_native
 
 from pi0align import Dumper
+from pi0align.dump.backends.sample_rows import PositionTable, SampleRows
 from pi0align.dump.file_format import sample_positions
-from pi0align.dump.sample_rows import PositionTable, SampleRows
 from pi0align.testing.dump_helpers import Net, find, read_step, train_steps
 
 torch.set_num_threads(1)
@@ -89,8 +89,8 @@ def test_the_recorder_s_own_gather_samples_what_the_sampler_does_as_its_table_gr
     (the second step: the first step's 300 again, in another order, beside 500 new ones), and
     only the new ones are handed to the sampler."""
     require_native()
-    from pi0align.dump.native_backend import NativeBackend
-    from pi0align.dump.sampling import Sampler
+    from pi0align.dump.backends.native_backend import NativeBackend
+    from pi0align.dump.backends.sampling import Sampler
 
     class CountedSampler(Sampler):
         added = 0
@@ -118,7 +118,7 @@ def test_the_recorder_s_own_gather_samples_what_the_sampler_does_as_its_table_gr
 
 
 def test_positions_are_int64_only_in_a_step_with_a_tensor_of_2_to_the_31_elements():
-    from pi0align.dump.sampling import Sampler
+    from pi0align.dump.backends.sampling import Sampler
 
     sampler, table = Sampler(SIZE), PositionTable()
     small, wide = torch.arange(10.0), torch.ones(1).expand(2**31 + 7)  # a view: no memory

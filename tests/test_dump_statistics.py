@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import REPO, require_native
 
-from pi0align.dump.backend import choose_backend
+from pi0align.dump.backends.backend import choose_backend
 from pi0align.dump.file_format import checksum
 from pi0align.native import Library
 from pi0align.testing.dump_helpers import reference_checksum

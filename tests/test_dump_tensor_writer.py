@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from pi0align import Dumper
-from pi0align.dump import dump_file
-from pi0align.dump.captured_step import CAPTURED_CALL_COLUMNS, CapturedStep, CodedColumn
-from pi0align.dump.native_backend import NativeBackend
-from pi0align.dump.sample_rows import PositionTable, SampleRows
-from pi0align.dump.writer import DumpWriter
-from pi0align.dump.writer_process import NICENESS
+from pi0align.dump.backends.native_backend import NativeBackend
+from pi0align.dump.backends.sample_rows import PositionTable, SampleRows
+from pi0align.dump.writing import dump_file
+from pi0align.dump.writing.captured_step import CAPTURED_CALL_COLUMNS, CapturedStep, CodedColumn
+from pi0align.dump.writing.writer import DumpWriter
+from pi0align.dump.writing.writer_process import NICENESS
 
 
 @pytest.fixture(params=["at once", "queued"])
@@ -174,7 +174,7 @@ def test_chunks_compression_barely_shrinks_are_stored_unfiltered_and_read_back_e
     chunk reader give both back bit for bit."""
     from pi0align.compare.measuring.kernels import comparison_loops
     from pi0align.compare.reading.h5chunks import ChunkBuffers, ChunkReader, chunk_index
-    from pi0align.dump.tensor_store import SKIP_FILTERS, write_tensor_dataset
+    from pi0align.dump.writing.tensor_store import SKIP_FILTERS, write_tensor_dataset
 
     rng = np.random.default_rng(0)
     tensors = {"random": rng.standard_normal((512, 1024), dtype=np.float32),

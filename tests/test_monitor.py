@@ -23,7 +23,7 @@ from conftest import REPO, assert_one_line_error, offline_page, run_cli
 
 from pi0align.compare.reading.open_dump import dumped_steps
 from pi0align.compare.reading.read_monitor import read_monitor
-from pi0align.dump.monitor_file import QUANTITIES
+from pi0align.dump.monitoring.monitor_file import QUANTITIES
 from pi0align.errors import UserError
 from pi0align.runs.monitor import BAND, compare_modules, load_monitor
 

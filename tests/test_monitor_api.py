@@ -13,9 +13,9 @@ from torch import nn
 
 import pi0align
 from pi0align.compare.reading.read_monitor import read_monitor
-from pi0align.dump.monitor import monitored_modules
-from pi0align.dump.monitor_file import QUANTITIES
-from pi0align.dump.parameter_norms import CompiledNorms, TorchNorms, parameter_norms
+from pi0align.dump.monitoring.monitor import monitored_modules
+from pi0align.dump.monitoring.monitor_file import QUANTITIES
+from pi0align.dump.monitoring.parameter_norms import CompiledNorms, TorchNorms, parameter_norms
 
 
 def model() -> nn.Module:

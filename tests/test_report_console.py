@@ -16,7 +16,7 @@ from test_report_samples import (
     sample_comparison,
 )
 
-from pi0align.report.console import print_summary, progress_bar
+from pi0align.report.comparison.console import print_summary, progress_bar
 
 
 def render(comparison, width: int = 220, **options) -> str:

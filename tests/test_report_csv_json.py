@@ -11,7 +11,7 @@ from test_report_samples import BACKWARD_NAME, CULPRIT_NAME, CULPRIT_STACK, THRE
 
 from pi0align.compare.result import ROW_COLUMNS
 from pi0align.errors import UserError
-from pi0align.report.csv_json import write_csv, write_json
+from pi0align.report.comparison.csv_json import write_csv, write_json
 
 
 def strict_json(path):

@@ -15,9 +15,9 @@ from test_report_samples import sample_comparison
 
 from pi0align.compare.reading.records import DIRECTIONS
 from pi0align.compare.result import KINDS, Culprit, CulpritGroup
-from pi0align.report.console import print_summary
-from pi0align.report.csv_json import write_csv, write_json
-from pi0align.report.html import write_html
+from pi0align.report.comparison.console import print_summary
+from pi0align.report.comparison.csv_json import write_csv, write_json
+from pi0align.report.comparison.html import write_html
 
 CASES = [(direction, kind) for direction in DIRECTIONS for kind in KINDS]
 

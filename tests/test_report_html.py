@@ -13,8 +13,8 @@ from test_report_samples import BACKWARD_NAME, CULPRIT_MODULE, CULPRIT_NAME, EXT
 
 from pi0align.compare.result import ROW_COLUMNS
 from pi0align.compare.table import Table
-from pi0align.report.html import default_html_path, write_html
-from pi0align.report.rowdata import rows_json
+from pi0align.report.comparison.html import default_html_path, write_html
+from pi0align.report.comparison.rowdata import rows_json
 
 
 def decode_rows(text: str) -> dict[str, list]:
@@ -190,7 +190,7 @@ def test_table_pages_through_many_rows(open_report):
 
 
 def test_error_chart_has_one_point_per_call_and_marks_the_culprit():
-    from pi0align.report.charts import ZERO_FLOOR, error_by_step_figure
+    from pi0align.report.comparison.charts import ZERO_FLOOR, error_by_step_figure
 
     comparison = sample_comparison()
     comparison.rows.loc[comparison.rows["step"] == 1, "rel_l2_err"] = 0.0  # exact agreement

@@ -17,13 +17,13 @@ from conftest import REPO, assert_one_line_error, pi0align, run_cli
 
 from pi0align.compare import compare_dumps
 from pi0align.errors import UserError
-from pi0align.report.html import write_html
+from pi0align.report.comparison.html import write_html
 from pi0align.testing.dumpfactory import Fault, default_manifest, run_toy_model, write_dump
 
 PACKAGE = REPO / "pi0align"
 # The one place pickles are read: the dump's writer process and the training process talk through a
 # pipe between them, and nothing else writes to it.
-PIPE_MODULES = {"dump/writer.py", "dump/writer_process.py"}
+PIPE_MODULES = {"dump/writing/writer.py", "dump/writing/writer_process.py"}
 
 
 class _Payload:

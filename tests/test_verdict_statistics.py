@@ -20,7 +20,7 @@ from pi0align.compare.judging.bounds import conditions, extremes_conditions, inv
 from pi0align.compare.judging.culprits import culprit_order
 from pi0align.compare.judging.judge import Judgement
 from pi0align.compare.table import Table
-from pi0align.dump.perturb import UlpMover
+from pi0align.dump.capturing.perturb import UlpMover
 from pi0align.testing.devices import Fault, UlpNoise
 
 # -- conditions, from hand-built records ---------------------------------------------------------

@@ -89,8 +89,8 @@ class Session:
         self.model = self._named(found) if self.settings.model_attr else found
         self._wrap_forward(self.model)
         if self.settings.monitor:
-            from pi0align.dump.alerts import AlertRules
-            from pi0align.dump.monitor import Monitor
+            from pi0align.dump.monitoring.alerts import AlertRules
+            from pi0align.dump.monitoring.monitor import Monitor
 
             self._monitor = Monitor(self.out, depth=self.settings.monitor_depth, alerts=AlertRules())
             self._monitor.start(self.model, optimizer)

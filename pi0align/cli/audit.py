@@ -26,8 +26,8 @@ def main(args: argparse.Namespace) -> int:
 
     from pi0align.auditing import audit
     from pi0align.errors import UserError, check_writable
-    from pi0align.report.audit_console import print_audit
-    from pi0align.report.console import progress_bar
+    from pi0align.report.audit.audit_console import print_audit
+    from pi0align.report.comparison.console import progress_bar
     from pi0align.report.formatting import ShortNames
 
     if args.top < 0:
@@ -40,11 +40,11 @@ def main(args: argparse.Namespace) -> int:
         result = audit(args.dump, steps=args.steps, replay=not args.no_replay, progress=progress)
     written = []  # the files first: what the console cannot print is still in them
     if args.json:
-        from pi0align.report.audit_json import write_audit_json
+        from pi0align.report.audit.audit_json import write_audit_json
 
         written.append(write_audit_json(result, args.json))
     if args.html:
-        from pi0align.report.audit_page import write_audit_html
+        from pi0align.report.audit.audit_page import write_audit_html
 
         written.append(write_audit_html(result, args.html, top=args.top))
     names = ShortNames(culprit.module for culprit in result.culprits)

@@ -29,7 +29,7 @@ def main(args: argparse.Namespace) -> int:
 
     from pi0align.bisecting import bisect
     from pi0align.errors import UserError, check_writable
-    from pi0align.report.bisect_console import print_bisection, probe_line
+    from pi0align.report.bisect.bisect_console import print_bisection, probe_line
 
     if not args.tolerance >= 0:
         raise UserError("--tolerance must be a number, at least 0")
@@ -43,7 +43,7 @@ def main(args: argparse.Namespace) -> int:
                         report=lambda probe, bound: console.print(probe_line(probe, bound)),
                         starting=lambda step, kind: status.update(f"one step from step {step} ({kind})"))
     if args.json:
-        from pi0align.report.bisect_json import write_bisection_json
+        from pi0align.report.bisect.bisect_json import write_bisection_json
 
         console.print(f"wrote {write_bisection_json(result, args.json)}", highlight=False)
     print_bisection(result, console)

@@ -34,7 +34,7 @@ def main(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from pi0align.report.check_table import check_table
+    from pi0align.report.runs.check_table import check_table
     from pi0align.runs.baselines import check, find_baseline, read_baseline, save_baseline
     from pi0align.runs.folder import read_run
 

@@ -43,7 +43,7 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from pi0align.errors import UserError, check_writable
-    from pi0align.report.curves_table import curves_table
+    from pi0align.report.runs.curves_table import curves_table
     from pi0align.runs.curves import compare_curves, load_runs
 
     if args.smooth < 1:
@@ -65,19 +65,19 @@ def main(args: argparse.Namespace) -> int:
     console = Console()
     console.print(curves_table(frame, comparison))
     if modules is not None:
-        from pi0align.report.modules_table import modules_report
+        from pi0align.report.runs.modules_table import modules_report
 
         console.print(modules_report(modules, comparison, console.width))
     if args.html:
-        from pi0align.report.curves_page import write_curves_html
+        from pi0align.report.runs.curves_page import write_curves_html
 
         console.print(f"wrote {write_curves_html(frame, comparison, args.html, modules, monitor)}")
     if args.json:
-        from pi0align.report.curves_json import write_curves_json
+        from pi0align.report.runs.curves_json import write_curves_json
 
         console.print(f"wrote {write_curves_json(comparison, modules, args.json)}")
     if args.tensorboard:
-        from pi0align.report.tensorboard import write_tensorboard
+        from pi0align.report.runs.tensorboard import write_tensorboard
         from pi0align.runs.monitor import load_monitor
 
         if monitor is None:

@@ -18,8 +18,8 @@ def main(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from pi0align.report.doctor_table import doctor_report
     from pi0align.report.output import write_json_data
+    from pi0align.report.runs.doctor_table import doctor_report
     from pi0align.runs.supported import doctor, this_machine
 
     result = doctor(this_machine())

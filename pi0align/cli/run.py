@@ -146,16 +146,16 @@ def make_dumper(args, out: Path, seed: int):
 
 
 def make_monitor(config: TrainConfig, dumper):
-    """The run's monitor (every module at every step, dump/monitor.py) with its alert rules, and
+    """The run's monitor (every module at every step, dump/monitoring/monitor.py) with its alert rules, and
     the dumps of the steps after its alerts (`--dump-on-alert`); (None, None) with --no-monitor."""
     if not config.monitor:
         if config.dump_on_alert:
             raise UserError("--dump-on-alert dumps the step after a monitor's alert: it needs the monitor (drop "
                             "--no-monitor)")
         return None, None
-    from pi0align.dump.alert_dumps import AlertDumps
-    from pi0align.dump.alerts import AlertRules
-    from pi0align.dump.monitor import Monitor
+    from pi0align.dump.monitoring.alert_dumps import AlertDumps
+    from pi0align.dump.monitoring.alerts import AlertRules
+    from pi0align.dump.monitoring.monitor import Monitor
 
     monitor = Monitor(config.out, depth=config.monitor_depth, alerts=AlertRules())
     return monitor, AlertDumps(config.out, dumper) if config.dump_on_alert else None

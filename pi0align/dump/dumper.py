@@ -11,17 +11,17 @@ from pathlib import Path
 
 import torch
 
-from pi0align.dump import dump_file
-from pi0align.dump.backend import choose_backend
-from pi0align.dump.capture import Capture
-from pi0align.dump.dump_file import WRITE_ERRORS
+from pi0align.dump.backends.backend import choose_backend
+from pi0align.dump.backends.sampling import Sampler
+from pi0align.dump.backends.steplog import Filter, StepLog
+from pi0align.dump.capturing.capture import Capture
+from pi0align.dump.capturing.perturb import UlpPerturbation
 from pi0align.dump.file_format import LEVELS, MODES
 from pi0align.dump.manifest import build_manifest
-from pi0align.dump.perturb import UlpPerturbation
 from pi0align.dump.ranks import rank_and_world_size
-from pi0align.dump.sampling import Sampler
-from pi0align.dump.steplog import Filter, StepLog
-from pi0align.dump.writer import DumpWriter
+from pi0align.dump.writing import dump_file
+from pi0align.dump.writing.dump_file import WRITE_ERRORS
+from pi0align.dump.writing.writer import DumpWriter
 from pi0align.errors import UserError
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pi0align.dump.arguments import tensors_of
+from pi0align.dump.capturing.arguments import tensors_of
 from pi0align.dump.file_format import OPTIMIZER_API
 from pi0align.replay.apis import NotReplayable, resolve
 from pi0align.replay.arguments import rebuild

@@ -4,8 +4,8 @@ Renders `pi0align.compare.result.Comparison` and knows nothing of how its metric
 No torch here: reports are made on a laptop that has only the dumps.
 """
 
-from pi0align.report.console import print_summary, progress_bar
-from pi0align.report.csv_json import write_csv, write_json
+from pi0align.report.comparison.console import print_summary, progress_bar
+from pi0align.report.comparison.csv_json import write_csv, write_json
 
 _HTML = ("default_html_path", "plotly_js", "write_html")
 
@@ -15,7 +15,7 @@ __all__ = ["default_html_path", "plotly_js", "print_summary", "progress_bar", "w
 def __getattr__(name: str):
     # Lazy: the HTML report's Jinja2 is imported only when an HTML report is written.
     if name in _HTML:
-        from pi0align.report import html
+        from pi0align.report.comparison import html
 
         return getattr(html, name)
     raise AttributeError(f"module 'pi0align.report' has no attribute {name!r}")

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from pi0align.dump import dump_file, journal
+from pi0align.dump.writing import dump_file, journal
 from pi0align.testing.dumpfactory import run_toy_model, step_tables, write_dump
 
 

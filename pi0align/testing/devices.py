@@ -5,7 +5,7 @@ They imitate what differs between devices: results rounded differently (`UlpNois
 inputs rounded to TF32 (`Tf32Matmuls`, what `allow_tf32` and Ascend's HF32 do), one kernel a few
 percent off (`Fault`) or every call of one function (`EveryCall`), an Adam kernel that computes
 with another epsilon or learning rate than its settings say (`adam_kernel`). `UlpNoise` moves
-values as pi0align's own noise reference does (dump/perturb.py's UlpMover) but forward results
+values as pi0align's own noise reference does (dump/capturing/perturb.py's UlpMover) but forward results
 only: the reference moves gradients too.
 """
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F  # noqa: N812
 import torch.optim.adam as adam_functions  # torch.optim's namespace leaves its submodules out
 from torch.overrides import TorchFunctionMode
 
-from pi0align.dump.perturb import UlpMover
+from pi0align.dump.capturing.perturb import UlpMover
 
 _quiet = torch._C.DisableTorchFunction
 # torch.Tensor's C methods, which msprobe (it wraps torch.Tensor's Python attributes) does not

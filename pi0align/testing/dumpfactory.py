@@ -32,9 +32,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from pi0align.dump import dump_file, file_format
+from pi0align.dump import file_format
 from pi0align.dump.file_format import checksum, sample_positions
-from pi0align.dump.tensor_store import write_tensor_dataset
+from pi0align.dump.writing import dump_file
+from pi0align.dump.writing.tensor_store import write_tensor_dataset
 
 
 @dataclass

@@ -92,7 +92,7 @@ class TrainConfig:
     progress: bool = field(default=True, metadata=flag("no progress bar", negation="--no-progress"))
     monitor: bool = field(default=True, metadata=flag(
         "no monitor (every module's norms at every step into <out>/monitor.h5)", negation="--no-monitor"))
-    # None: the blocks a person thinks in (dump/monitor.py, monitored_modules)
+    # None: the blocks a person thinks in (dump/monitoring/monitor.py, monitored_modules)
     monitor_depth: int | None = field(default=None, metadata=flag(
         "monitor the modules whose path has N parts (default: every layer, projection and head)", metavar="N"))
     dump_on_alert: bool = field(default=False, metadata=flag(

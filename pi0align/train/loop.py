@@ -33,7 +33,7 @@ def train(config: TrainConfig, dumper=None, resume_from: Path | None = None, sto
     """Train up to `stop_step` (default: the config's steps, which the schedule spans); returns the
     summary (also written to `<out>/summary.json`). `dumper`, `monitor`: a Dumper and a Monitor
     (pi0align.dump), started here on the policy; `alert_dumps`: the dumps of the steps after the
-    monitor's alerts (dump/alert_dumps.py). `resume_from`: a checkpoint of this run to
+    monitor's alerts (dump/monitoring/alert_dumps.py). `resume_from`: a checkpoint of this run to
     continue; `started_from`: another run's checkpoint to start from (`run --from`: its state on
     this run's device). Under a launcher (distributed.launched), this process trains as its rank:
     the policy in DDP on its slice of each global batch; rank 0 writes the log, the summary, the

@@ -1,4 +1,4 @@
-"""Reader of monitor files (docs/monitor-format.md; their format: dump/monitor_file.py): one rank's
+"""Reader of monitor files (docs/monitor-format.md; their format: dump/monitoring/monitor_file.py): one rank's
 every monitored module's quantities at every step, checked as dumps are (sizes against what the file
 holds; a journal rolled back) before anything is read."""
 
@@ -12,7 +12,7 @@ import numpy as np
 
 from pi0align.compare.reading.read_ours import with_file
 from pi0align.compare.reading.sizes import check_length, check_stored
-from pi0align.dump.monitor_file import FORMAT, QUANTITIES, VERSION, computed_order
+from pi0align.dump.monitoring.monitor_file import FORMAT, QUANTITIES, VERSION, computed_order
 
 __all__ = ["Monitored", "computed_order", "read_monitor"]  # computed_order: the format's, for the readers
 from pi0align.errors import UserError

@@ -21,9 +21,9 @@ from pi0align.compare.reading.records import (
 )
 from pi0align.compare.reading.sizes import check_length, check_stored, check_tensor
 from pi0align.compare.table import Table, lookup
-from pi0align.dump import journal
 from pi0align.dump.file_format import CALL_TYPES, FORMAT, RECORD_TYPES, step_group
 from pi0align.dump.file_format import VERSION as SUPPORTED_VERSION
+from pi0align.dump.writing import journal
 from pi0align.errors import UserError
 
 # What compare reads at once: calls' arguments are read when asked for, records' skip reasons never.
