@@ -24,7 +24,7 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from pi0align.errors import UserError, check_writable
-    from pi0align.report.comparison.summary import json_safe
+    from pi0align.report.json_values import json_safe
     from pi0align.report.output import write_json_data
     from pi0align.report.runs.ckpt_table import ckpt_report
     from pi0align.runs.checkpoints import beyond, compare_checkpoints

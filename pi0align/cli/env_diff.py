@@ -22,7 +22,7 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from pi0align.errors import UserError
-    from pi0align.report.comparison.summary import json_safe
+    from pi0align.report.json_values import json_safe
     from pi0align.report.output import write_json_data
     from pi0align.report.runs.envdiff_table import env_diff_table, env_diff_verdict
     from pi0align.runs.envdiff import env_diff

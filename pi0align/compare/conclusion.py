@@ -20,10 +20,10 @@ from pi0align.compare.judging.culprits import MAX_CULPRITS, culprit_order, culpr
 from pi0align.compare.judging.explain import first_failing, unexplained_source
 from pi0align.compare.judging.groups import culprit_groups, family_counts
 from pi0align.compare.judging.judge import Position, first_positions, noise_model
-from pi0align.compare.judging.manifest import manifest_diff, manifest_notes, numerics_notes, weights_comparable
 from pi0align.compare.judging.noise import rounding_notes
 from pi0align.compare.judging.reference import reference_notes
 from pi0align.compare.judging.window import Carried, JudgedWindow, Settings, first_culprits, judge_window
+from pi0align.compare.measuring.manifest import manifest_diff, manifest_notes, numerics_notes, weights_comparable
 from pi0align.compare.measuring.rank_pair import MeasuredWindow
 from pi0align.compare.reading.records import Dump, user_frames
 from pi0align.compare.result import PAIRED, PAIRINGS, ROW_COLUMNS, CallRef, Comparison

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pi0align.compare.judging.manifest import flatten
+from pi0align.compare.measuring.manifest import flatten
 
 SAME, DIFFERS, NO_EFFECT, MATTERS = "same", "differs", "differs (no effect)", "differs and matters"
 FOLLOWS = "differs (follows)"  # made from another item that differs: that one is the cause

@@ -14,10 +14,10 @@ from pi0align.compare.judging.calls import call_table, producers
 from pi0align.compare.judging.explain import Explanation, explain, optimizer_states
 from pi0align.compare.judging.identity import tensor_identities
 from pi0align.compare.judging.judge import Judgement, Position, bit_comparable, computes_alike, first_positions, judge
-from pi0align.compare.judging.manifest import host_cpus_differ, same_initial_weights
 from pi0align.compare.judging.noise import rounding_level
 from pi0align.compare.judging.sources import parameter_calls
 from pi0align.compare.judging.verdict import judge_rows
+from pi0align.compare.measuring.manifest import host_cpus_differ, same_initial_weights
 from pi0align.compare.reading.records import OUTPUT_ROLES
 from pi0align.compare.table import Table, gather, isin, lookup
 

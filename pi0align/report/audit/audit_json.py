@@ -9,7 +9,7 @@ from typing import Any
 
 from pi0align.auditing import Audit
 from pi0align.auditing.standards import FLOOR_UNITS
-from pi0align.report.comparison.summary import JSON_SCHEMA_VERSION, call_dict, json_safe
+from pi0align.report.json_values import JSON_SCHEMA_VERSION, call_dict, json_safe
 from pi0align.report.output import write_json_data
 
 

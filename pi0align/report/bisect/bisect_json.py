@@ -9,7 +9,7 @@ from typing import Any
 from pi0align.bisecting import Bisection
 from pi0align.bisecting.probes import probe_dict
 from pi0align.report.bisect.bisect_console import probe_verdict
-from pi0align.report.comparison.summary import JSON_SCHEMA_VERSION, call_dict, json_safe
+from pi0align.report.json_values import JSON_SCHEMA_VERSION, call_dict, json_safe
 from pi0align.report.output import write_json_data
 from pi0align.report.runs.curves_json import first_outside_point
 

@@ -14,7 +14,7 @@ import numpy as np
 from pi0align.compare.reading.records import OUTPUT_ROLES, PARAMETER_ROLES
 from pi0align.compare.result import Comparison
 from pi0align.compare.table import Table, isin
-from pi0align.report.comparison.summary import json_safe
+from pi0align.report.json_values import json_safe
 
 # A log axis cannot show 0: exact agreement is drawn at this floor, below any float64 rounding.
 ZERO_FLOOR = 1e-16

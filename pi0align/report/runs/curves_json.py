@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from pi0align.report.comparison.summary import JSON_SCHEMA_VERSION, json_safe
+from pi0align.report.json_values import JSON_SCHEMA_VERSION, json_safe
 from pi0align.report.output import write_json_data
 from pi0align.runs.curves import CurveComparison
 from pi0align.runs.monitor import Leaving, ModuleComparison

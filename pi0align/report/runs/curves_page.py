@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 from markupsafe import Markup
 
-from pi0align.report.comparison.summary import json_safe
+from pi0align.report.json_values import json_safe
 from pi0align.report.output import output_path
 from pi0align.report.page import environment, plotly_js, script_json, static
 from pi0align.runs.curves import CurveComparison, relative_error
