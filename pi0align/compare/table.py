@@ -11,7 +11,7 @@ named in `nullable_ints` (they become pandas `Int64` and are written as integers
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from typing import Any
 
@@ -146,6 +146,16 @@ class TakenRows(Table):
     @property
     def columns(self) -> list[str]:
         return [*self._source.columns, *(name for name in self._columns if name not in self._source)]
+
+
+def mapped(values: np.ndarray, function: Callable[[Any], Any], dtype: Any = object) -> np.ndarray:
+    """function(value) of each value, called once per distinct value: text columns repeat a few
+    values over many rows."""
+    items = np.atleast_1d(values).tolist()
+    of = {value: function(value) for value in dict.fromkeys(items)}
+    if dtype is object:
+        return np.array(list(map(of.__getitem__, items)), dtype=object)
+    return np.fromiter(map(of.__getitem__, items), dtype, len(items))
 
 
 def isin(values: np.ndarray, choices: Iterable[Any]) -> np.ndarray:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from pi0align.compare.reading.records import DIRECTIONS, function_names
-from pi0align.compare.table import Table, isin
+from pi0align.compare.table import Table, isin, mapped
 from pi0align.dump.file_format import RANDOM_FUNCTIONS
 
 # kind of culprit by the direction of its call ("parameter": initial_weights or parameters)
@@ -30,7 +30,7 @@ def phases(directions: np.ndarray) -> np.ndarray:
     """Each record's or call's phase of its step (the index of its direction in PHASES): a dump
     may number a step's parameters after its backward calls (msprobe's do), yet they came first."""
     index = {direction: i for i, direction in enumerate(PHASES)}
-    return np.array([index.get(d, len(PHASES)) for d in directions.tolist()], np.int64)
+    return mapped(directions, lambda direction: index.get(direction, len(PHASES)), np.int64)
 
 
 def execution_order(calls: Table) -> np.ndarray:

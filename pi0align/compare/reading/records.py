@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from pi0align.compare.table import Table
+from pi0align.compare.table import Table, mapped
 
 RECORD_COLUMNS = [
     "rank", "step", "call", "seq", "name", "module", "api", "direction", "role", "arg_index",
@@ -90,13 +90,13 @@ def subjects(names: np.ndarray) -> np.ndarray:
     """What each record name is about, without its API part (`<module>/<API>#k` -> the module path;
     `<parameter>/Parameter#0` and `<parameter>/Optimizer.step#0` -> the parameter; `<key>/Data#k`
     -> the batch's key)."""
-    return np.array([str(n).rpartition("/")[0] for n in names.tolist()], dtype=object)
+    return mapped(names, lambda name: str(name).rpartition("/")[0])
 
 
 def function_names(apis: np.ndarray) -> np.ndarray:
     """The function each API names, what follows its last dot (`Functional.linear` -> `linear`,
     `Module.Linear` -> `Linear`)."""
-    return np.array([str(api).rpartition(".")[2] for api in np.atleast_1d(apis).tolist()], dtype=object)
+    return mapped(apis, lambda api: str(api).rpartition(".")[2])
 
 
 def no_records() -> Table:
