@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pi0align.compare.judging.bounds import MARGIN, introduced, reduction_condition, rounding_floor
-from pi0align.compare.judging.calls import CALL_COLUMNS
-from pi0align.compare.judging.channels import elementwise_errors, introduced_by_channel, statistic_channels
+from pi0align.compare.judging.calltable.bounds import MARGIN, introduced, reduction_condition, rounding_floor
+from pi0align.compare.judging.calltable.calls import CALL_COLUMNS
+from pi0align.compare.judging.calltable.channels import elementwise_errors, introduced_by_channel, statistic_channels
 from pi0align.compare.judging.explain import _states_after_gap, _undumped_gradients_within, unread_outputs
 from pi0align.compare.judging.identity import gradient_sources, tensor_identities
 from pi0align.compare.judging.judge import judge, median_without

@@ -16,7 +16,12 @@ import pytest
 import torch
 
 from pi0align.compare import compare_dumps
-from pi0align.compare.judging.bounds import conditions, extremes_conditions, invariant_errors, result_conditions
+from pi0align.compare.judging.calltable.bounds import (
+    conditions,
+    extremes_conditions,
+    invariant_errors,
+    result_conditions,
+)
 from pi0align.compare.judging.culprits import culprit_order
 from pi0align.compare.judging.judge import Judgement
 from pi0align.compare.table import Table

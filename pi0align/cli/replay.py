@@ -128,7 +128,7 @@ def _condition(records, mine, direction: str) -> tuple[float, str, str]:
     (what it saved), as compare takes them."""
     import numpy as np
 
-    from pi0align.compare.judging.bounds import conditions
+    from pi0align.compare.judging.calltable.bounds import conditions
     from pi0align.compare.table import Groups, Table
 
     first = int(np.flatnonzero(mine)[0])

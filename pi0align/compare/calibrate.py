@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from pi0align.compare.engine import compare_dumps
-from pi0align.compare.judging.bounds import FLOOR_UNITS
+from pi0align.compare.judging.calltable.bounds import FLOOR_UNITS
 from pi0align.compare.judging.thresholds import JUDGED_ERRORS, UNIT_ROUNDOFF, load_thresholds, looser_classes
 from pi0align.compare.result import COMPARABLE
 from pi0align.compare.table import isin

@@ -8,12 +8,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pi0align.compare.judging.bounds import (
+from pi0align.compare.judging.calltable.bounds import (
     SUMMING_RULES,
     explained_error,
     rounding_floor,
 )
-from pi0align.compare.judging.calls import call_ref
+from pi0align.compare.judging.calltable.calls import call_ref
 from pi0align.compare.judging.execution import execution_order, phases
 from pi0align.compare.judging.judge import Judgement, replay_ratio_limit
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pi0align.compare.judging.bounds import MARGIN, half_precision, noise_floor, numels
-from pi0align.compare.judging.calls import call_ref
-from pi0align.compare.judging.channels import (
+from pi0align.compare.judging.calltable.bounds import MARGIN, half_precision, noise_floor, numels
+from pi0align.compare.judging.calltable.calls import call_ref
+from pi0align.compare.judging.calltable.channels import (
     at_least,
     channel_ratios,
     elementwise_errors,

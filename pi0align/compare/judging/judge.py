@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pi0align.compare.judging.bounds import MARGIN, half_precision, rounding_floor
+from pi0align.compare.judging.calltable.bounds import MARGIN, half_precision, rounding_floor
 from pi0align.compare.judging.execution import PHASES, phases
 from pi0align.compare.judging.modules import enclosing_modules, innermost, is_module, is_module_api
 from pi0align.compare.judging.verdict import checksums_known

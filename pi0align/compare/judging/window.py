@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pi0align.compare.judging.calls import call_table, producers
+from pi0align.compare.judging.calltable.calls import call_table, producers
+from pi0align.compare.judging.calltable.sources import parameter_calls
 from pi0align.compare.judging.explain import Explanation, explain, optimizer_states
 from pi0align.compare.judging.identity import tensor_identities
 from pi0align.compare.judging.judge import Judgement, Position, bit_comparable, computes_alike, first_positions, judge
 from pi0align.compare.judging.noise import rounding_level
-from pi0align.compare.judging.sources import parameter_calls
 from pi0align.compare.judging.verdict import judge_rows
 from pi0align.compare.measuring.manifest import host_cpus_differ, same_initial_weights
 from pi0align.compare.reading.records import OUTPUT_ROLES

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pi0align.compare.judging.bounds import (
+from pi0align.compare.judging.calltable.bounds import (
     half_precision,
     introduced,
     noise_floor,

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from pi0align.compare.judging.bounds import (
+from pi0align.compare.judging.calltable.bounds import (
     half_precision,
     numels,
     rounding_floor,
 )
-from pi0align.compare.judging.channels import channel_ratios
+from pi0align.compare.judging.calltable.channels import channel_ratios
 from pi0align.compare.judging.identity import requires_grad
 from pi0align.compare.judging.modules import holds_calls
 from pi0align.compare.table import Table, gather, lookup

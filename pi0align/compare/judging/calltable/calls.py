@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pi0align.compare.judging.bounds import (
+from pi0align.compare.judging.calltable.bounds import (
     conditions,
     extremes_conditions,
     forward_calls,
@@ -25,19 +25,23 @@ from pi0align.compare.judging.bounds import (
     rounding_floor,
     step_bounds,
 )
-from pi0align.compare.judging.channels import (
+from pi0align.compare.judging.calltable.channels import (
     at_least,
     introduced_by_channel,
     precision_floors,
     row_error,
     statistic_channels,
 )
+from pi0align.compare.judging.calltable.sources import (
+    add_gradient_sources,
+    add_module_parameters,
+    add_parameter_sources,
+)
+from pi0align.compare.judging.calltable.undumped import add_inside_errors, batch_stand_ins, model_input_rows
 from pi0align.compare.judging.execution import PHASES, call_directions, kinds
 from pi0align.compare.judging.identity import RESULT_ROLES, produced
 from pi0align.compare.judging.modules import enclosing_modules
-from pi0align.compare.judging.sources import add_gradient_sources, add_module_parameters, add_parameter_sources
 from pi0align.compare.judging.thresholds import unit_roundoffs
-from pi0align.compare.judging.undumped import add_inside_errors, batch_stand_ins, model_input_rows
 from pi0align.compare.reading.records import INPUT_ROLES, OUTPUT_ROLES
 from pi0align.compare.result import CallRef
 from pi0align.compare.table import Groups, Table, isin

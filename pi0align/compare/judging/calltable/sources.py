@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pi0align.compare.judging.bounds import (
+from pi0align.compare.judging.calltable.bounds import (
     dimensions,
     reduction_condition,
 )
