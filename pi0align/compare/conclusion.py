@@ -110,7 +110,8 @@ class Conclusion:
 
     def first_culprits(self, measured: MeasuredWindow) -> list[Position]:
         """The first culprit of each rank of a group of a step's ranks judged alone (the first
-        pass over a step too large to judge whole, windows.Window); nothing is kept of them."""
+        pass over a step too large to judge whole, windows.Window). Of the rest only what the first
+        window carries is kept (the first step, whether the runs are bit-comparable)."""
         rows = self._window_rows(measured)
         if not len(rows):
             return []
