@@ -344,7 +344,8 @@ def _undumped_gradients_within(rows: Table, identity: np.ndarray, sources: np.nd
         return explained
     summed, extremes, spread = statistic_channels(rows)
     summed_sources = at_least(summed, precision_floors(rows))
-    half, floors = half_precision(unit_roundoffs(rows["dtype_a"], rows["dtype_b"])), _floors(rows)
+    units = unit_roundoffs(rows["dtype_a"], rows["dtype_b"])
+    half, floors = half_precision(units), noise_floor(units)
     for g, read in zip(candidates.tolist(), _read_by_code_not_dumped(rows, identity, output, candidates)):
         if not fine[read].all():
             continue

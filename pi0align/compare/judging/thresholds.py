@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pi0align.compare.table import mapped
 from pi0align.errors import UserError
 
 # Error metrics judged against a limit (everything in metrics.py except the informative ones:
@@ -80,13 +81,9 @@ def looser_classes(dtypes_a, dtypes_b) -> np.ndarray:
 def unit_roundoffs(dtypes_a, dtypes_b=None) -> np.ndarray:
     """Per record, the unit roundoff of its dtype, or of the looser of its two dtypes where both
     columns are given; 0 where it has none."""
-    if dtypes_b is not None:
-        classes = looser_classes(dtypes_a, dtypes_b)
-    else:
-        names = np.asarray(dtypes_a, object)
-        table = {d: dtype_class(d) if d else "" for d in set(names.tolist())}
-        classes = np.array([table[d] for d in names.tolist()], dtype=object)
-    return np.array([UNIT_ROUNDOFF[c] if c else 0.0 for c in classes.tolist()], np.float64)
+    classes = looser_classes(dtypes_a, dtypes_b) if dtypes_b is not None else \
+        mapped(dtypes_a, lambda dtype: dtype_class(dtype) if dtype else "")
+    return mapped(classes, lambda cls: UNIT_ROUNDOFF[cls] if cls else 0.0, np.float64)
 
 
 def load_thresholds(path: str | Path | None = None, overrides: dict[str, float | str] | None = None,
