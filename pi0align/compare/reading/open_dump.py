@@ -21,12 +21,14 @@ HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 @dataclass(frozen=True)
 class Run:
-    """A run located once: its dump files by rank (ours; None for an msprobe folder) and the steps
-    each rank holds, complete or not, with their numbers of records (None where not known without
-    reading them). A compare hands it to every window and worker, which open it at their steps."""
+    """A run located once: its dump files by rank (ours; None for an msprobe dump), or each rank's
+    step folders (msprobe's; None for ours), and the steps each rank holds, complete or not, with
+    their numbers of records (None where not known without reading them). A compare hands it to
+    every window and worker, which open it at their steps."""
 
     path: Path
     files: Mapping[int, Path] | None
+    msprobe_folders: Mapping[int, tuple[tuple[int, Path], ...]] | None
     held: Mapping[int, Mapping[int, int | None]]
 
     @property
@@ -41,14 +43,16 @@ class Run:
         """This run holding only those of `steps` it holds (all when None)."""
         if steps is None:
             return self
-        return Run(self.path, self.files, {rank: {step: count for step, count in held.items() if step in steps}
-                                          for rank, held in self.held.items()})
+        return Run(self.path, self.files, self.msprobe_folders,
+                   {rank: {step: count for step, count in held.items() if step in steps}
+                    for rank, held in self.held.items()})
 
     def open(self, steps: set[int] | None = None, ranks: set[int] | None = None) -> dict[int, Dump]:
         """{rank: Dump} of every rank (of `ranks`, when given), holding the records of `steps` (all
         when None)."""
-        if self.files is None:
-            return read_msprobe.read_msprobe(self.path, steps, ranks)
+        if self.msprobe_folders is not None:
+            return read_msprobe.read_msprobe(self.path, {rank: folders for rank, folders in self.msprobe_folders.items()
+                                                         if ranks is None or rank in ranks}, steps)
         from pi0align.compare.reading import read_ours
 
         opened: dict[int, Dump] = {}
@@ -66,12 +70,14 @@ def locate_run(path: str | Path) -> Run:
     """The run at `path`: a dump file, a run folder of one file per rank, or an msprobe folder."""
     files, path = _locate(Path(path))
     if files is None:
-        return Run(path, None, read_msprobe.dumped_steps(path))
+        folders = read_msprobe.step_folders(path)
+        steps = {rank: {step: None for step, _ in sorted(held)} for rank, held in folders.items()}
+        return Run(path, None, folders, steps)
     from pi0align.compare.reading import read_ours
 
     held = [(file, *read_ours.dumped_steps(file)) for file in files]
     by_rank = _by_rank([(rank, file, (file, steps)) for file, rank, steps in held], path)
-    return Run(path, {rank: file for rank, (file, _) in by_rank.items()},
+    return Run(path, {rank: file for rank, (file, _) in by_rank.items()}, None,
                {rank: steps for rank, (_, steps) in by_rank.items()})
 
 

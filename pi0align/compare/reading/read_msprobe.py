@@ -51,30 +51,22 @@ def is_msprobe_path(path: Path) -> bool:
     return any(path.glob("dump.json")) or any(path.glob("*/dump.json")) or any(path.glob("step*/*/dump.json"))
 
 
-def dumped_steps(path: Path) -> dict[int, dict[int, None]]:
-    """{rank: {step: None}} of an msprobe dump: its steps, whose records are not counted without
-    reading them."""
-    by_rank: dict[int, dict[int, None]] = {}
-    for step, rank, _ in sorted(_step_folders(path)):
-        by_rank.setdefault(rank, {})[step] = None
-    if not by_rank:
-        raise UserError(f"{path}: no msprobe dump.json found (expected step*/rank*/dump.json)")
-    return dict(sorted(by_rank.items()))
-
-
-def read_msprobe(path: Path, steps: set[int] | None = None, ranks: set[int] | None = None) -> dict[int, Dump]:
-    """The ranks of an msprobe dump (all, or `ranks`): {rank: Dump}, holding the records of `steps`
-    (all when None; none where a rank holds none of them)."""
+def step_folders(path: Path) -> dict[int, tuple[tuple[int, Path], ...]]:
+    """{rank: ((step, its folder), ...)} of an msprobe dump, found once: what `read_msprobe` reads."""
     by_rank: dict[int, list[tuple[int, Path]]] = {}
     for step, rank, folder in _step_folders(path):
-        if ranks is not None and rank not in ranks:
-            continue
-        wanted = by_rank.setdefault(rank, [])
-        if steps is None or step in steps:
-            wanted.append((step, folder))
+        by_rank.setdefault(rank, []).append((step, folder))
     if not by_rank:
         raise UserError(f"{path}: no msprobe dump.json found (expected step*/rank*/dump.json)")
-    return {rank: _read_rank(path, rank, folders) for rank, folders in sorted(by_rank.items())}
+    return {rank: tuple(folders) for rank, folders in sorted(by_rank.items())}
+
+
+def read_msprobe(path: Path, folders: dict[int, tuple[tuple[int, Path], ...]],
+                 steps: set[int] | None = None) -> dict[int, Dump]:
+    """{rank: Dump} of these ranks' step folders (`step_folders`), holding the records of `steps`
+    (all when None; none where a rank holds none of them)."""
+    return {rank: _read_rank(path, rank, [(step, folder) for step, folder in held if steps is None or step in steps])
+            for rank, held in folders.items()}
 
 
 def _step_folders(path: Path) -> list[tuple[int, int, Path]]:
