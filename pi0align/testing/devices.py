@@ -12,6 +12,7 @@ only: the reference moves gradients too.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import weakref
 
@@ -199,8 +200,9 @@ class EmulatedDevice(TorchFunctionMode):
     calls outside one, such as a replay's, are left as they are) is, once the policy's optimizer has
     made `from_update` updates (its Adam step count, restored from a checkpoint: a fault that
     strikes from some state on),
-    `factor` × itself, or, `nondeterministic`, moved by up to that relative amount drawn from the
-    operating system's entropy (two runs of one step differ there)."""
+    `factor` × itself, or, `nondeterministic`, moved by between half and all of that relative amount,
+    either way, drawn from the operating system's entropy (two runs of one step differ there, and by
+    no less than half the amount: a draw near zero would hide the non-determinism it stands for)."""
 
     def __init__(self, module: str, function: str, index: int = 0, factor: float = 1.0, from_update: int = 0,
                  nondeterministic: float = 0.0, policy: str = "PI0Policy") -> None:
@@ -229,11 +231,7 @@ class EmulatedDevice(TorchFunctionMode):
         self._seen += 1
         if self._seen != self.index + 1 or self._updates() < self.from_update or not isinstance(result, torch.Tensor):
             return result
-        factor = self.factor
-        if self.nondeterministic:
-            import os
-
-            factor = 1.0 + self.nondeterministic * (int.from_bytes(os.urandom(2), "little") / 65535 - 0.5)
+        factor = self.factor if not self.nondeterministic else 1.0 + self.nondeterministic * _either_way_from_half()
         with _quiet():
             return _times(result, factor)
 
@@ -258,3 +256,9 @@ class EmulatedDevice(TorchFunctionMode):
 
 
 _FUNCTIONS = {"gelu": F.gelu, "softmax": F.softmax, "linear": F.linear}
+
+
+def _either_way_from_half() -> float:
+    """A draw from the operating system's entropy in ±[0.5, 1]: a sign bit and 15 bits of magnitude."""
+    bits = int.from_bytes(os.urandom(2), "little")
+    return (-1.0 if bits & 1 else 1.0) * (0.5 + 0.5 * (bits >> 1) / 32767)
