@@ -12,14 +12,13 @@ half-written file. Callers keep a slower path for machines without a compiler.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import importlib.util
 import os
 import platform
 import shutil
-import subprocess
 import tempfile
 import threading
+import zlib
 from pathlib import Path
 
 from pi0align.cache import cache_root
@@ -42,7 +41,7 @@ class _Built:
                 self._loaded = True
                 try:
                     self._open(_compiled(self._name, self._sources, self._flags))
-                except (OSError, ImportError, subprocess.SubprocessError) as error:
+                except (OSError, ImportError) as error:
                     self.error = _one_line(error)
 
     def _open(self, path: Path) -> None:
@@ -95,27 +94,42 @@ def _one_line(error: Exception) -> str:
 
 
 def _compiled(name: str, sources: list[Path], flags: list[str]) -> Path:
-    """The shared library compiled from `sources`; OSError or SubprocessError when it cannot be built."""
+    """The shared library compiled from `sources`; OSError when it cannot be built."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise OSError("no C++ compiler (g++ or $CXX) found")
-    key = hashlib.sha256("\0".join([*flags, compiler, platform.machine(), _cpu_flags()]).encode())
+    parts = ["\0".join([*flags, compiler, platform.machine(), _cpu_flags()]).encode()]
     for source in sorted({*sources, *(h for s in sources for h in s.parent.glob("*.h"))}):
-        key.update(source.name.encode() + b"\0" + source.read_bytes())
+        parts.append(source.name.encode() + b"\0" + source.read_bytes())
     folder = cache_root() / "kernels"
-    library = folder / f"{name}-{key.hexdigest()[:16]}.so"
+    library = folder / f"{name}-{_checksum(parts)}.so"
     if not library.exists():
+        import subprocess  # here: a process that finds its libraries built starts no compiler
+
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as staging:
             built = os.path.join(staging, f"{name}.so")
-            result = subprocess.run([compiler, *map(str, sources), *flags, "-o", built], capture_output=True,
-                                    text=True, timeout=300, check=False)
+            try:
+                result = subprocess.run([compiler, *map(str, sources), *flags, "-o", built], capture_output=True,
+                                        text=True, timeout=300, check=False)
+            except subprocess.SubprocessError as error:
+                raise OSError(f"compiling {name} failed: {error}") from None
             if result.returncode != 0:
                 lines = result.stderr.strip().splitlines() or ["?"]
                 first = next((line for line in lines if ": error:" in line), lines[0])
                 raise OSError(f"compiling {name} failed: {first}")
             os.replace(built, library)
     return library
+
+
+def _checksum(parts: list[bytes]) -> str:
+    """64 bits naming a build: zlib's CRC-32 and Adler-32 over the parts and their lengths (a cache
+    key, not a defence; hashlib would load OpenSSL into every compare that reads msprobe's JSON)."""
+    crc, adler = 0, 1
+    for part in parts:
+        framed = len(part).to_bytes(8, "little") + part
+        crc, adler = zlib.crc32(framed, crc), zlib.adler32(framed, adler)
+    return f"{crc:08x}{adler:08x}"
 
 
 def _cpu_flags() -> str:

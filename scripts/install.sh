@@ -24,7 +24,9 @@ if [ "${1:-}" = test ] && ! command -v chromium >/dev/null; then
     # Debian's Chromium for the HTML report's browser test (playwright must not download one).
     (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "install.sh: could not install chromium" >&2
 fi
-# The dump's C++ extension and kernel, built now rather than at the first dumped run (about 15 s;
-# cached under $PI0ALIGN_CACHE, else ~/.cache/pi0align). Without a compiler the dumper falls back.
+# The native code, built now rather than at the first dumped run or compare (about 20 s; cached
+# under $PI0ALIGN_CACHE, else ~/.cache/pi0align): the dump's C++ extension and kernel, compare's
+# loops and its msprobe JSON scanner. Without a compiler each falls back to its Python path.
 .venv/bin/python -c "from pi0align.dump.backends.backend import choose_backend; b = choose_backend('auto'); print('dump backend:', b.name, '-', b.status)"
+.venv/bin/python -c "from pi0align.compare.measuring.kernels import comparison_loops; from pi0align.compare.reading.msprobe_scan import scanner; print('compare loops:', comparison_loops().status, '- msprobe scanner:', 'compiled' if scanner() else 'none (Python reads msprobe JSON)')"
 echo "pi0align installed in $(pwd)/.venv"

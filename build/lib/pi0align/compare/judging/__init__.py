@@ -1,0 +1,1 @@
+"""Judging: rows against their limits, the call table, the noise models, the explanation of rows."""

@@ -1,0 +1,100 @@
+// The monitor's per-parameter sums on the CPU (parameter_norms.py, CompiledNorms): many float32
+// tensors summed in one call each. Torch's multi-tensor norm runs tensor by tensor on a CPU, its
+// dispatch costing more than the memory it reads; Adam's update direction m / (sqrt(v) * scale +
+// eps) costs its multi-tensor path ten passes and three temporaries. Here each tensor is read once,
+// in float32 as Adam computes. Sums run in LANES float32 lanes over blocks of BLOCK elements, the
+// lanes then added in order in float64: a fixed order, so a tensor's sum is the same number
+// whichever loop takes it (a parameter's norm with Adam's states or without), however the compiler
+// vectorises it and on any count of threads. The monitor runs between the training's kernels, its
+// cores idle: `threads` threads share the blocks.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BLOCK = 2048;
+constexpr int LANES = 16;
+
+// element i of a block adds to lane (i - block start) % LANES
+struct Lanes {
+  float lane[LANES] = {};
+  double total() const {
+    double sum = 0;
+    for (int j = 0; j < LANES; ++j) sum += lane[j];
+    return sum;
+  }
+};
+
+// for every element i of the block [begin, end), add(lanes, j, i) with j its lane; the block's
+// Width sums into out
+template <int Width, typename Add>
+void in_lanes(int64_t begin, int64_t end, double* out, Add add) {
+  Lanes lanes[Width];
+  int64_t i = begin;
+  for (; i + LANES <= end; i += LANES)
+    for (int j = 0; j < LANES; ++j) add(lanes, j, i + j);
+  for (int j = 0; i < end; ++i, ++j) add(lanes, j, i);
+  for (int w = 0; w < Width; ++w) out[w] = lanes[w].total();
+}
+
+// sums[t * Width + w] = the sums `block(t, begin, end, out)` gives for each block of tensor t,
+// added in the blocks' order: the same number on any count of `threads`, each of which takes
+// every threads-th block of the tensors
+template <int Width, typename Block>
+void by_blocks(int64_t count, const int64_t* sizes, int threads, double* sums, Block block) {
+  std::vector<int64_t> first(count + 1, 0);  // tensor t's blocks: first[t] .. first[t + 1] - 1
+  for (int64_t t = 0; t < count; ++t) first[t + 1] = first[t] + (sizes[t] + BLOCK - 1) / BLOCK;
+  std::vector<double> partial((size_t)first[count] * Width);
+  auto work = [&](int k) {
+    int64_t t = 0;
+    for (int64_t b = k; b < first[count]; b += threads) {
+      while (first[t + 1] <= b) ++t;
+      const int64_t begin = (b - first[t]) * BLOCK;
+      block(t, begin, std::min(sizes[t], begin + BLOCK), &partial[(size_t)b * Width]);
+    }
+  };
+  std::vector<std::thread> helpers;
+  for (int k = 1; k < threads; ++k) helpers.emplace_back(work, k);
+  work(0);
+  for (auto& helper : helpers) helper.join();
+  for (int64_t t = 0; t < count; ++t)
+    for (int w = 0; w < Width; ++w) {
+      double total = 0;
+      for (int64_t b = first[t]; b < first[t + 1]; ++b) total += partial[(size_t)b * Width + w];
+      sums[t * Width + w] = total;
+    }
+}
+
+}  // namespace
+
+// sums[t] = the sum of squares of tensor t's sizes[t] elements
+extern "C" void pi0align_squared_sums(int64_t count, const float* const* tensors, const int64_t* sizes,
+                                      int threads, double* sums) {
+  by_blocks<1>(count, sizes, threads, sums, [&](int64_t t, int64_t begin, int64_t end, double* out) {
+    const float* x = tensors[t];
+    in_lanes<1>(begin, end, out, [x](Lanes* s, int j, int64_t i) { s[0].lane[j] += x[i] * x[i]; });
+  });
+}
+
+// sums[4t..4t+3] = the sums of squares of parameter t, Adam's first moment m, its second v, and
+// m / (sqrt(v) * scales[t] + eps[t])
+extern "C" void pi0align_adam_sums(int64_t count, const float* const* parameters, const float* const* first,
+                                   const float* const* second, const int64_t* sizes, const double* scales,
+                                   const double* eps, int threads, double* sums) {
+  by_blocks<4>(count, sizes, threads, sums, [&](int64_t t, int64_t begin, int64_t end, double* out) {
+    const float* p = parameters[t];
+    const float* m = first[t];
+    const float* v = second[t];
+    const float scale = (float)scales[t], epsilon = (float)eps[t];
+    in_lanes<4>(begin, end, out, [=](Lanes* s, int j, int64_t i) {
+      const float q = m[i] / (std::sqrt(v[i]) * scale + epsilon);
+      s[0].lane[j] += p[i] * p[i];
+      s[1].lane[j] += m[i] * m[i];
+      s[2].lane[j] += v[i] * v[i];
+      s[3].lane[j] += q * q;
+    });
+  });
+}

@@ -1,0 +1,1 @@
+"""The reports of `pi0align audit`: console, JSON, HTML."""

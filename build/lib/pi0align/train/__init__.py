@@ -1,0 +1,1 @@
+"""The training loop: LeRobot's PI0 training, seeded, logged, checkpointed."""
