@@ -178,7 +178,7 @@ def _step(task: str, keys: list[str], calls: Any, roles: Any, counts: Any, param
 
 _FUNCTIONS = {
     "pi0align_msprobe_scan": [ctypes.c_char_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p],
-    "pi0align_msprobe_columns": [ctypes.c_void_p] + [ctypes.c_void_p] * 8,
+    "pi0align_msprobe_columns": [ctypes.c_void_p, ctypes.c_char_p] + [ctypes.c_void_p] * 7,
 }
 
 
@@ -190,28 +190,35 @@ class CompiledScanner:
 
     def scan(self, raw: bytes) -> ScannedStep | None:
         """The columns of a dump.json's bytes; None where it holds what msprobe does not write."""
-        handle, sizes = ctypes.c_void_p(), np.zeros(8, np.int64)
+        handle, sizes = ctypes.c_void_p(), np.zeros(9, np.int64)
         self._scan(raw, len(raw), ctypes.byref(handle), sizes.ctypes.data)
-        scanned, calls, groups, tensors, dtypes, shapes, dims, task = sizes.tolist()
+        scanned, calls, groups, tensors, dtypes, shapes, dims, task, key_bytes = sizes.tolist()
         if not scanned:
             return None
-        keys, kinds, group_columns = np.empty((calls, 2), np.int64), np.empty(calls, np.int64), np.empty((groups, 5),
-                                                                                                     np.int64)
+        keys, group_columns = ctypes.create_string_buffer(key_bytes), np.empty((groups, 5), np.int64)
         statistics, tensor_ints = np.empty((tensors, 4)), np.empty((tensors, 5), np.int64)
         dtype_spans, shape_offsets, shape_dims = (np.empty((dtypes, 2), np.int64), np.empty(shapes + 1, np.int64),
                                                   np.empty(dims, np.int64))
-        self._columns(handle, *(a.ctypes.data for a in (keys, kinds, group_columns, statistics, tensor_ints,
-                                                         dtype_spans, shape_offsets, shape_dims)))
+        self._columns(handle, raw, keys, *(a.ctypes.data for a in (group_columns, statistics, tensor_ints, dtype_spans,
+                                                                    shape_offsets, shape_dims)))
         text = functools.partial(_text, raw)
         offsets = shape_offsets.tolist()
         dims_flat = shape_dims.tolist()
-        call, role, count, name_offset, name_length = group_columns.T
-        return _step(TASKS[task - 1], [text(o, n) for o, n in keys.tolist()], call, role, count,
-                     [text(o, n) if o >= 0 else "" for o, n in zip(name_offset.tolist(), name_length.tolist())],
-                     statistics, [text(o, n) for o, n in dtype_spans.tolist()], tensor_ints[:, 1],
+        call, role, count = group_columns[:, :3].T
+        return _step(TASKS[task - 1], keys.raw.decode().split("\n")[:-1] if calls else [], call, role, count,
+                     _texts(raw, group_columns[:, 3:], len(call)).tolist(), statistics,
+                     [text(o, n) for o, n in dtype_spans.tolist()], tensor_ints[:, 1],
                      [dims_flat[start:end] for start, end in zip(offsets, offsets[1:])], tensor_ints[:, 2],
-                     tensor_ints[:, 0].copy(),
-                     np.array([text(o, n) if o >= 0 else "" for o, n in tensor_ints[:, 3:].tolist()], object))
+                     tensor_ints[:, 0].copy(), _texts(raw, tensor_ints[:, 3:], tensors))
+
+
+def _texts(raw: bytes, spans: np.ndarray, n: int) -> np.ndarray:
+    """The texts at (offset, length) `spans`, "" where the offset is -1 (most: a few parameters'
+    names among many groups; no file names in a dump of statistics)."""
+    texts = np.full(n, "", object)
+    present = np.flatnonzero(spans[:, 0] >= 0)
+    texts[present] = [_text(raw, o, n) for o, n in spans[present].tolist()]
+    return texts
 
 
 def _text(raw: bytes, offset: int, length: int) -> str:

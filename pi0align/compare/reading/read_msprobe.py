@@ -209,64 +209,68 @@ class _StepRecords:
     def __init__(self, step: int, construct: dict, frames: dict[str, tuple[str, ...]]):
         self.step, self.construct, self.frames = step, construct, frames
         self.stacks: dict[tuple[int, int], tuple[str, ...]] = {}
-        # id, name, module, api, direction, site, whether it ran inside an optimizer's step
-        self.calls: list[tuple[int, str, str, str, str, str, bool]] = []
-        self.groups: list[tuple[int, int]] = []  # (position in self.calls, group) of each group kept
+        # per call: id, name, module, api, direction, site, whether it ran inside an optimizer's step
+        self.calls: tuple[list, ...] = ([], [], [], [], [], [], [])
+        self.owner = np.zeros(0, np.int64)  # per group, its call's position in self.calls; -1: not kept
         self._forward_names: dict[str, str] = {}
         self._counts: dict[tuple[str, str], int] = {}
         self._parameter_calls: dict[str, int] = {}  # a parameter and its gradient form one call
         self._parameter_roles: set[tuple[str, int]] = set()
 
     def read(self, scanned: ScannedStep) -> None:
-        starts = np.searchsorted(scanned.group_call, np.arange(len(scanned.keys) + 1)).tolist()
-        roles, counts, parameters = scanned.group_role.tolist(), scanned.group_count.tolist(), scanned.group_parameter
-        call = 0
+        roles, counts = scanned.group_role, scanned.group_count
+        parameter = np.isin(roles, list(PARAMETER_ROLES))
+        parameter_groups: dict[int, list[int]] = {}
+        for group in np.flatnonzero(parameter & (counts > 0)).tolist():
+            parameter_groups.setdefault(int(scanned.group_call[group]), []).append(group)
+        self.owner = np.full(len(counts), -1, np.int64)
+        position_of_call = [-1] * len(scanned.keys)
+        ids, names, modules, apis, directions, sites, in_step = (column.append for column in self.calls)
+        construct, frames_of, forward_names, counts_of = self.construct, self.frames, self._forward_names, self._counts
+        stacks, step, call = self.stacks, self.step, 0
         for index, key in enumerate(scanned.keys):
             api, own_path, direction, forward_key = parse_key(key)
-            groups = range(starts[index], starts[index + 1])
             if direction != "parameter":
-                module = own_path if api.startswith("Module.") else _module_of(self.construct.get(forward_key))
-                name = self._forward_names.get(forward_key)
+                module = own_path if api.startswith("Module.") else _module_of(construct.get(forward_key))
+                name = forward_names.get(forward_key)
                 if name is None:
-                    k = self._counts.get((module, api), 0)
-                    self._counts[(module, api)] = k + 1
-                    name = self._forward_names[forward_key] = f"{module}/{api}#{k}"
-                frames = self.frames.get(key, ())
-                self.stacks[(self.step, call)] = frames
-                self.calls.append((call, name, module, api, direction, call_site(frames),
-                                   _in_optimizer_step(frames)))
+                    k = counts_of.get((module, api), 0)
+                    counts_of[(module, api)] = k + 1
+                    name = forward_names[forward_key] = f"{module}/{api}#{k}"
+                frames = stacks[(step, call)] = frames_of.get(key, ())
+                position_of_call[index] = len(self.calls[0])
+                ids(call), names(name), modules(module), apis(api), directions(direction)
+                sites(call_site(frames)), in_step(_in_optimizer_step(frames))
                 call += 1
-            for group in groups:
-                if roles[group] in PARAMETER_ROLES:
-                    self._add_parameter(own_path, parameters[group], group, roles[group], counts[group], key)
-                elif counts[group]:
-                    self.groups.append((len(self.calls) - 1, group))
+            for group in parameter_groups.get(index, ()):
+                self._add_parameter(own_path, scanned.group_parameter[group], group, int(roles[group]), key)
+        tensors = ~parameter & (counts > 0)  # every group of a call's tensors is kept, with its call
+        self.owner[tensors] = np.array(position_of_call, np.int64)[scanned.group_call[tensors]]
 
-    def _add_parameter(self, own_path: str, pname: str, group: int, role: int, count: int, stack_key: str) -> None:
+    def _add_parameter(self, own_path: str, pname: str, group: int, role: int, stack_key: str) -> None:
         name = f"{own_path}.{pname}/Parameter#0"
-        if not count or (name, role) in self._parameter_roles:
+        if (name, role) in self._parameter_roles:
             return
         self._parameter_roles.add((name, role))
         call = self._parameter_calls.setdefault(name, _PARAMETER_CALLS + len(self._parameter_calls))
-        self.calls.append((call, name, own_path, "Parameter", "parameter", call_site(self.frames.get(stack_key, ())),
-                           False))
-        self.groups.append((len(self.calls) - 1, group))
+        self.owner[group] = len(self.calls[0])
+        for column, value in zip(self.calls, (call, name, own_path, "Parameter", "parameter",
+                                              call_site(self.frames.get(stack_key, ())), False)):
+            column.append(value)
 
     def table(self, rank: int, tensor_dir: Path, scanned: ScannedStep) -> Table:
         """The records, RECORD_COLUMNS: the tensors of the groups kept, in order."""
-        owners, kept = (np.array(column, np.int64) for column in zip(*self.groups)) if self.groups else \
-            (np.zeros(0, np.int64),) * 2
+        kept = np.flatnonzero(self.owner >= 0)
         counts = scanned.group_count[kept]
         n = int(counts.sum())
         group_starts = np.cumsum(scanned.group_count) - scanned.group_count
         arg_index = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)  # 0, 1, ... within a group
         rows = np.repeat(group_starts[kept], counts) + arg_index  # each record's tensor in the scanned columns
-        of_call = np.repeat(owners, counts)
-        ids, names, modules, apis, directions, sites, in_step = (
-            [np.array(column, object) for column in zip(*self.calls)] if self.calls else [np.zeros(0, object)] * 7)
+        of_call = np.repeat(self.owner[kept], counts)
+        ids, names, modules, apis, directions, sites = (np.array(column, object) for column in self.calls[:6])
+        in_step = np.array(self.calls[6], bool)
         call_ids, names, modules, apis, directions, sites = (
-            column[of_call] for column in (ids, names, modules, apis, _update_phase(directions, in_step.astype(bool)),
-                                           sites))
+            column[of_call] for column in (ids, names, modules, apis, _update_phase(directions, in_step), sites))
         data_names = scanned.data_name[rows]
         return Table({
             "rank": np.full(n, rank, np.int64), "step": np.full(n, self.step, np.int64),

@@ -57,7 +57,6 @@ class Scanner {
   Scanner(const char* text, int64_t length) : begin_(text), at_(text), end_(text + length) {}
 
   std::vector<int64_t> keys;  // offset, length of each call's key
-  std::vector<int64_t> key_kinds;
   std::vector<Group> groups;
   std::vector<Tensor> tensors;
   std::vector<int64_t> dtypes;  // offset, length of each distinct dtype
@@ -117,6 +116,11 @@ class Scanner {
     const auto* end = reinterpret_cast<const unsigned char*>(end_);
     if (end - p >= 3 && p[0] == 0xEF && p[1] == 0xBB && p[2] == 0xBF) throw GiveUp();  // a byte order mark
     while (p < end) {
+      uint64_t eight;
+      if (end - p >= 8 && (std::memcpy(&eight, p, 8), (eight & 0x8080808080808080ull) == 0)) {  // ASCII
+        p += 8;
+        continue;
+      }
       unsigned char c = *p;
       if (c < 0x80) { ++p; continue; }
       int more = (c >> 5) == 0x6 ? 1 : (c >> 4) == 0xE ? 2 : (c >> 3) == 0x1E ? 3 : -1;
@@ -143,6 +147,8 @@ class Scanner {
   void expect(char c) {
     if (!take(c)) throw GiveUp();
   }
+  static bool digit(char c) { return c >= '0' && c <= '9'; }
+
   bool word(std::string_view w) {
     if (end_ - at_ >= int64_t(w.size()) && std::memcmp(at_, w.data(), w.size()) == 0) {
       at_ += w.size();
@@ -188,20 +194,20 @@ class Scanner {
     if (word("-Infinity")) { v.number = -std::numeric_limits<double>::infinity(); return v; }
     const char* p = at_;
     if (p < end_ && *p == '-') ++p;
-    if (p >= end_ || !std::isdigit(static_cast<unsigned char>(*p))) throw GiveUp();
+    if (p >= end_ || !digit(*p)) throw GiveUp();
     if (*p == '0') ++p;
-    else while (p < end_ && std::isdigit(static_cast<unsigned char>(*p))) ++p;
+    else while (p < end_ && digit(*p)) ++p;
     bool integer = true;
     if (p < end_ && *p == '.') {
       integer = false;
-      if (++p >= end_ || !std::isdigit(static_cast<unsigned char>(*p))) throw GiveUp();
-      while (p < end_ && std::isdigit(static_cast<unsigned char>(*p))) ++p;
+      if (++p >= end_ || !digit(*p)) throw GiveUp();
+      while (p < end_ && digit(*p)) ++p;
     }
     if (p < end_ && (*p == 'e' || *p == 'E')) {
       integer = false;
       if (++p < end_ && (*p == '+' || *p == '-')) ++p;
-      if (p >= end_ || !std::isdigit(static_cast<unsigned char>(*p))) throw GiveUp();
-      while (p < end_ && std::isdigit(static_cast<unsigned char>(*p))) ++p;
+      if (p >= end_ || !digit(*p)) throw GiveUp();
+      while (p < end_ && digit(*p)) ++p;
     }
     if (integer) {  // an integer beyond int64 is a Python int the reference converts its own way
       auto [end, error] = std::from_chars(start, p, v.whole);
@@ -273,28 +279,28 @@ class Scanner {
         if (key.escaped) throw GiveUp();
         dict_keys_.push_back(key.text);
         std::string_view k = key.text;
-        if (k == "type") { type = item; has_type = true; }
-        else if (k == "dtype") { dtype = item; has_dtype = true; }
+        if (k == "type") keep(type, has_type, item);
+        else if (k == "dtype") keep(dtype, has_dtype, item);
         else if (k == "shape") {
-          shape = item;
-          has_shape = true;
+          keep(shape, has_shape, item);
           if (item.shape) shape_code = code_of_shape(item);  // before another array replaces its dims
         }
-        else if (k == "Min") { stats[0] = item; has_stat[0] = true; }
-        else if (k == "Max") { stats[1] = item; has_stat[1] = true; }
-        else if (k == "Mean") { stats[2] = item; has_stat[2] = true; }
-        else if (k == "Norm") { stats[3] = item; has_stat[3] = true; }
-        else if (k == "requires_grad") { requires_grad = item; has_requires_grad = true; }
-        else if (k == "data_name") { data_name = item; has_data_name = true; }
+        else if (k == "Min") keep(stats[0], has_stat[0], item);
+        else if (k == "Max") keep(stats[1], has_stat[1], item);
+        else if (k == "Mean") keep(stats[2], has_stat[2], item);
+        else if (k == "Norm") keep(stats[3], has_stat[3], item);
+        else if (k == "requires_grad") keep(requires_grad, has_requires_grad, item);
+        else if (k == "data_name") keep(data_name, has_data_name, item);
       } while (take(','));
       expect('}');
     }
     if (!collect) return v;
-    check_distinct(keys_mark);
     if (!(has_dtype && has_shape)) {
       if (has_type && type.kind == STRING && (type.escaped || ends_with_tensor(type.text))) throw GiveUp();
-      return v;  // a container: the tensors found in its values stay
+      check_distinct(keys_mark);  // a container: the tensors found in its values stay, each value once
+      return v;
     }
+    dict_keys_.resize(keys_mark);  // a tensor entry: its other keys are not read (a field read twice: keep)
     found_.resize(mark);  // a tensor entry: what its values hold is not looked at
     if (has_type && type.kind == STRING && type.escaped) throw GiveUp();
     if (has_type && (type.kind != STRING || !ends_with_tensor(type.text))) return v;
@@ -340,6 +346,12 @@ class Scanner {
     }
     if (numel >= MAX_NUMEL) throw GiveUp();
     return code_of_dims(dims);
+  }
+
+  // A tensor entry's field, read once: twice, the reference would read the last value.
+  static void keep(Value& field, bool& seen, const Value& item) {
+    once(seen);
+    field = item;
   }
 
   static bool truthy(const Value& v) {
@@ -416,7 +428,6 @@ class Scanner {
       int64_t call = int64_t(keys.size() / 2), kind = key_kind(key.text);
       keys.push_back(key.text.data() - begin_);
       keys.push_back(int64_t(key.text.size()));
-      key_kinds.push_back(kind);
       entry(call, kind);
       space();
     } while (take(','));
@@ -505,12 +516,13 @@ extern "C" {
 
 // Scans `length` bytes of a dump.json. sizes[0]: 1 when scanned, 0 when the Python reader must read
 // the file; then the counts of calls, groups, tensors, distinct dtypes, distinct shapes and their
-// dims, and the task (1 statistics, 2 tensor). `*handle` holds the columns until
+// dims, the task (1 statistics, 2 tensor), and the bytes of the keys, each followed by a newline
+// (which a JSON string cannot hold unescaped). `*handle` holds the columns until
 // pi0align_msprobe_columns copies them out and frees it.
 void pi0align_msprobe_scan(const char* text, int64_t length, void** handle, int64_t* sizes) {
   auto* scanner = new Scanner(text, length);
   *handle = nullptr;
-  std::fill(sizes, sizes + 8, 0);
+  std::fill(sizes, sizes + 9, 0);
   try {
     scanner->scan();
   } catch (const GiveUp&) {
@@ -519,24 +531,27 @@ void pi0align_msprobe_scan(const char* text, int64_t length, void** handle, int6
   }
   *handle = scanner;
   sizes[0] = 1;
-  sizes[1] = int64_t(scanner->key_kinds.size());
+  sizes[1] = int64_t(scanner->keys.size() / 2);
   sizes[2] = int64_t(scanner->groups.size());
   sizes[3] = int64_t(scanner->tensors.size());
   sizes[4] = int64_t(scanner->dtypes.size() / 2);
   sizes[5] = int64_t(scanner->shape_offsets.size() - 1);
   sizes[6] = int64_t(scanner->shape_dims.size());
   sizes[7] = scanner->task;
+  for (size_t i = 1; i < scanner->keys.size(); i += 2) sizes[8] += scanner->keys[i] + 1;
 }
 
 // Copies the columns out, into arrays of the sizes pi0align_msprobe_scan gave, and frees the handle:
-// keys (calls x 2: offset, length), key_kinds (calls), groups (groups x 5: call, role, count, name
+// keys (the calls' keys, each followed by a newline), groups (groups x 5: call, role, count, name
 // offset, name length), stats (tensors x 4), tensor_ints (tensors x 5: requires_grad, dtype, shape,
 // file name offset, its length), dtypes (x 2), shape_offsets (shapes + 1), shape_dims.
-void pi0align_msprobe_columns(void* handle, int64_t* keys, int64_t* key_kinds, int64_t* groups, double* stats,
+void pi0align_msprobe_columns(void* handle, const char* text, char* keys, int64_t* groups, double* stats,
                               int64_t* tensor_ints, int64_t* dtypes, int64_t* shape_offsets, int64_t* shape_dims) {
   auto* s = static_cast<Scanner*>(handle);
-  std::copy(s->keys.begin(), s->keys.end(), keys);
-  std::copy(s->key_kinds.begin(), s->key_kinds.end(), key_kinds);
+  for (size_t i = 0; i < s->keys.size(); i += 2) {
+    keys = std::copy(text + s->keys[i], text + s->keys[i] + s->keys[i + 1], keys);
+    *keys++ = '\n';
+  }
   for (size_t i = 0; i < s->groups.size(); ++i) {
     const Group& g = s->groups[i];
     int64_t* out = groups + 5 * i;
