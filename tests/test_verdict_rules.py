@@ -18,12 +18,12 @@ from pi0align.compare.judging.calltable.calls import CALL_COLUMNS
 from pi0align.compare.judging.calltable.channels import elementwise_errors, introduced_by_channel, statistic_channels
 from pi0align.compare.judging.explain import _states_after_gap, _undumped_gradients_within, unread_outputs
 from pi0align.compare.judging.identity import gradient_sources, tensor_identities
-from pi0align.compare.judging.judge import judge, median_without
+from pi0align.compare.judging.judge import judge, peer_medians
 from pi0align.compare.judging.noise import rounding_level
 from pi0align.compare.judging.reference import raised_limits
 from pi0align.compare.judging.thresholds import DEFAULT_THRESHOLDS, UNIT_ROUNDOFF
 from pi0align.compare.judging.verdict import metric_errors, metric_limits
-from pi0align.compare.table import Table
+from pi0align.compare.table import Groups, Table
 from pi0align.testing.scenarios import Case, ToyRun, play, rule_cases
 
 BF16, FP32 = UNIT_ROUNDOFF["bfloat16"], UNIT_ROUNDOFF["float32"]
@@ -588,17 +588,21 @@ def test_reduction_conditions_cover_a_sum_that_cancels():
 
 
 @settings(max_examples=300, derandomize=True, deadline=None, database=None)
-@given(st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0, float("nan")]) | st.floats(-1e3, 1e3), min_size=1, max_size=12),
-       st.data())
-def test_a_peermedian_without_a_names_calls_is_nanmedians(values, data):
-    """stands_out's median of an API's other calls, taken from the sorted values of all of them
-    less a name's own (repeated values, NaN), is np.nanmedian of the rest."""
-    values = np.array(values)
-    own = np.array(data.draw(st.lists(st.booleans(), min_size=len(values), max_size=len(values))))
-    rest = values[~own]
-    expected = np.nanmedian(rest) if len(rest) and not np.isnan(rest).all() else np.nan
-    got = median_without(sorted(values[~np.isnan(values)].tolist()), values[own].tolist())
-    assert got == expected or (np.isnan(got) and np.isnan(expected))
+@given(st.lists(st.tuples(st.sampled_from([0.5, 1.0, 2.0, 3.0, float("nan")]) | st.floats(-1e3, 1e3),
+                          st.integers(0, 2), st.sampled_from("abcd")), max_size=30))
+def test_the_median_of_a_names_peers_is_nanmedian_of_its_familys_other_names(rows):
+    """stands_out's median of an API's calls under other names, taken from each family's sorted
+    values less a name's own (repeated values, NaN, families and names of any size), is
+    np.nanmedian of the rest; its peers, the family's rows under other names."""
+    values = np.array([value for value, _, _ in rows], np.float64)
+    families = np.array([family for _, family, _ in rows], np.int64)
+    names = np.array([name for _, _, name in rows], object)
+    got, peers = peer_medians(values, Groups(families).codes, names)
+    for i, (_, family, name) in enumerate(rows):
+        rest = values[(families == family) & (names != name)]
+        expected = np.nanmedian(rest) if len(rest) and not np.isnan(rest).all() else np.nan
+        assert got[i] == expected or (np.isnan(got[i]) and np.isnan(expected)), (i, rows)
+        assert peers[i] == len(rest)
 
 
 @pytest.mark.parametrize("model", ["mlp", "transformer"])

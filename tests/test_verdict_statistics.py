@@ -17,6 +17,7 @@ import torch
 
 from pi0align.compare import compare_dumps
 from pi0align.compare.judging.calltable.bounds import (
+    CallRecords,
     conditions,
     extremes_conditions,
     invariant_errors,
@@ -70,7 +71,7 @@ def test_each_api_is_conditioned_by_what_its_statistics_say():
         ("Functional.gelu", [x, out]),
         ("Functional.rms_norm", [x, out]),  # divides by the RMS, which moves with its input's error
     )
-    condition, rule = conditions(calls, records, of)
+    condition, rule = conditions(CallRecords(calls, records, of))
     expected = [(2.0, "product"), (1.0, ""), (500.0, "quotient"), (np.inf, "quotient"), (11.0, "quotient"), (1.0, ""),
                 (60.0, "softmax"), (np.sqrt(10.0), "normalization"), (2.0, "reduction"), (200.0, "cancellation"),
                 (5.0, "exponential"), (1.0, ""), (1.0, "")]
@@ -91,10 +92,10 @@ def test_a_batch_of_products_is_conditioned_per_product():
                                   ("Torch.matmul", [q, ("input", 1, 26.4, -3.0, 3.0, 0.0, "[1, 8, 8, 59]"), scores]),
                                   ("Functional.linear", [x, weight, ("output", 0, 16.0 * 4.0 / 48.0, -1, 1, 0,
                                                                      "[4, 16, 8]")]))
-    condition, rule = conditions(calls, records, of)
+    condition, rule = conditions(CallRecords(calls, records, of))
     assert list(rule) == ["", "matmul", "matmul"]
     assert condition == pytest.approx([1.0, np.sqrt(8.0), np.sqrt(48.0)])
-    assert extremes_conditions(calls, records, of) == pytest.approx([8.0, 8.0, np.sqrt(48.0)])
+    assert extremes_conditions(CallRecords(calls, records, of)) == pytest.approx([8.0, 8.0, np.sqrt(48.0)])
 
 
 def test_a_product_by_a_per_row_scale_is_bounded_by_its_factors_worst_rows():
@@ -111,7 +112,7 @@ def test_a_product_by_a_per_row_scale_is_bounded_by_its_factors_worst_rows():
     measured = [True] * 9 + [False] * 3 + [True] * 3  # the fourth call: statistics only
     records["rel_l2_err"] = np.where(measured, np.tile([1e-4, 1e-5, 0.0], 5), np.nan)
     records["max_row_rel_l2_err"] = np.where(measured, np.tile([6e-3, 2e-3, 0.0], 5), np.nan)
-    condition, rule = conditions(calls, records, of)
+    condition, rule = conditions(CallRecords(calls, records, of))
     assert list(rule) == ["row-scaled product", "row-scaled product", "product", "product", "cancellation"]
     assert condition[:4] == pytest.approx([80.0, 80.0, 2.0, 2.0])
 
@@ -127,7 +128,7 @@ def test_the_gradient_of_a_root_is_conditioned_by_how_close_its_forward_input_co
     calls["direction"] = np.array(["forward", "backward", "backward"], object)
     calls["name"] = np.array(["root", "root", "elsewhere"], object)  # the last one's forward was not recorded
     records["direction"] = np.array(["forward"] * 2 + ["backward"] * 4, object)
-    condition, rule = conditions(calls, records, of)
+    condition, rule = conditions(CallRecords(calls, records, of))
     assert list(rule) == ["quotient", "quotient gradient", ""]
     assert condition == pytest.approx([50.0, 1.0 + 1.5 * 100.0, 1.0])
 
@@ -140,7 +141,7 @@ def test_a_softmax_keeps_its_mean_whatever_its_input():
                                   ("Functional.gelu", [("input", 0, 1.0, -1.0, 1.0, 0.0, "[4, 8]"),
                                                        ("output", 0, 1.0, -1.0, 1.0, 0.0, "[4, 8]")]))
     records["mean_val_rel_err"] = np.array([0.0, 1e-2, 0.0, 1e-2])
-    assert list(invariant_errors(calls, records, of)) == [1e-2, 0.0]
+    assert list(invariant_errors(CallRecords(calls, records, of))) == [1e-2, 0.0]
 
 
 def test_culprits_are_ranked_where_the_error_starts_unless_a_later_one_is_clearly_worse():
@@ -462,8 +463,8 @@ def test_a_module_linear_is_conditioned_by_its_weight_from_the_parameter_records
                                   "qkv/Module.Linear#0", "qkv/Module.Linear#0"], object)
         calls["module"] = np.array(["qkv" if with_weight else "other", "qkv", "qkv"], object)
         records["direction"] = np.array(["parameter", "forward", "forward", "backward", "backward"], object)
-        condition, rule = conditions(calls, records, of)
-        per_result, _ = result_conditions(calls, records, of)
+        condition, rule = conditions(CallRecords(calls, records, of))
+        per_result, _ = result_conditions(CallRecords(calls, records, of))
         if with_weight:
             assert condition[1] == pytest.approx(39.19 * 5.623 / (np.sqrt(32) * 4.0)) and rule[1] == "matmul"
             assert per_result[4] == pytest.approx(0.01153 * 5.623 / (np.sqrt(96) * 0.002))  # 3.3
@@ -487,7 +488,7 @@ def test_each_result_of_a_linears_backward_is_conditioned_on_its_own():
     calls["direction"] = np.array(["forward", "backward", "backward"], object)
     calls["name"] = np.array(["qkv", "qkv", "elsewhere"], object)  # the last one's forward was not recorded
     records["direction"] = np.array(["forward"] * 4 + ["backward"] * 8, object)
-    condition, extremes = result_conditions(calls, records, of)
+    condition, extremes = result_conditions(CallRecords(calls, records, of))
     per_result = [0.01153 * 5.623 / (np.sqrt(96) * 0.002), 0.01153 * 39.19 / (np.sqrt(48) * 0.02),
                   np.sqrt(4 * 12) * 0.01153 / 0.05898]  # 3.3, 3.3 (their gradients cancel), 1.35
     assert np.isnan(condition[:5]).all() and condition[5:8] == pytest.approx(per_result)
@@ -502,5 +503,5 @@ def test_each_result_of_a_linears_backward_is_conditioned_on_its_own():
     calls["direction"] = np.array(["forward", "backward"], object)
     calls["name"] = np.array(["scores", "scores"], object)
     records["direction"] = np.array(["forward"] * 3 + ["backward"] * 2, object)
-    condition, extremes = result_conditions(calls, records, of)
+    condition, extremes = result_conditions(CallRecords(calls, records, of))
     assert condition[4] == pytest.approx(1.0) and extremes[4] == pytest.approx(8.0)

@@ -11,7 +11,7 @@ import numpy as np
 from pi0align.auditing.standards import FLOOR_UNITS, families, standards
 from pi0align.compare.judging.execution import KIND_OF_DIRECTION, phases
 from pi0align.compare.judging.groups import culprit_groups, family
-from pi0align.compare.judging.judge import MIN_PEERS, STANDOUT, median_without
+from pi0align.compare.judging.judge import MIN_PEERS, STANDOUT, peer_medians
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, dtype_class
 from pi0align.compare.measuring.memory import HeapTrimmer
 from pi0align.compare.measuring.replayed import RESULT_ROLES, RecordedCalls
@@ -100,20 +100,9 @@ def judge_alone(calls: Table, dump: Dump, named: set[tuple] = frozenset()) -> tu
 def _stands_out(calls: Table, error: np.ndarray, api: Groups) -> np.ndarray:
     """Local error ≥ STANDOUT × the median of its API's calls under other names (a faulty
     kernel is faulty at every step: the same call at another step is no peer), or too few peers."""
-    out = np.zeros(len(calls), bool)
-    names = calls["name"]
-    for members in np.split(api.order, api.starts[1:]):
-        values = error[members].tolist()
-        ordered = sorted(v for v in values if v == v)
-        by_name: dict[str, list[int]] = {}
-        for position, name in enumerate(names[members].tolist()):
-            by_name.setdefault(name, []).append(position)
-        for own in by_name.values():
-            peers = len(members) - len(own)
-            median = median_without(ordered, [values[p] for p in own])
-            for p in own:
-                out[members[p]] = peers < MIN_PEERS or not values[p] < STANDOUT["rel_l2_err"] * median
-    return out
+    typical, peers = peer_medians(error, api.codes, calls["name"])
+    with np.errstate(invalid="ignore"):
+        return (peers < MIN_PEERS) | ~(error < STANDOUT["rel_l2_err"] * typical)
 
 
 _DTYPE_OF_UNIT = {unit: name for name, unit in UNIT_ROUNDOFF.items() if name != "integer"}

@@ -128,7 +128,7 @@ def _condition(records, mine, direction: str) -> tuple[float, str, str]:
     (what it saved), as compare takes them."""
     import numpy as np
 
-    from pi0align.compare.judging.calltable.bounds import conditions
+    from pi0align.compare.judging.calltable.bounds import CallRecords, conditions
     from pi0align.compare.table import Groups, Table
 
     first = int(np.flatnonzero(mine)[0])
@@ -139,7 +139,7 @@ def _condition(records, mine, direction: str) -> tuple[float, str, str]:
     calls = Table({column: own[column][call.first] for column in ("rank", "step", "name", "api", "direction")})
     statistics = Table({"role": own["role"], "arg_index": own["arg_index"], "direction": own["direction"],
                         **{f"{column}_a": own[column] for column in ("norm", "min", "max", "mean", "shape")}})
-    condition, rule = conditions(calls, statistics, call.codes)
+    condition, rule = conditions(CallRecords(calls, statistics, call.codes))
     this = calls["direction"] == direction
     return float(condition[this][0]), str(rule[this][0]), str(calls["api"][this][0])
 

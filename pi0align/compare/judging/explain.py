@@ -88,15 +88,18 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
     (`optimizer_states`). `noisy_start`: the runs started from the same weights and compute
     differently (their manifests)."""
     labels = np.where(verdict == "warn", "limits", "").astype(object)
-    open_ = (verdict == "fail") & _before_first(rows, calls, judgement, earlier)
-    open_ &= ~rows_of(rows, calls, containing(judgement.enclosing, judgement.culprit))
+    failing = verdict == "fail"
+    labelled = labels != ""
+    call = calls_of(rows, calls)
+    open_ = failing & _before_first(rows, calls, judgement, earlier)
+    open_ &= ~gather(containing(judgement.enclosing, judgement.culprit), call, False).astype(bool)
     error, _ = row_error(rows)
     sources = elementwise_errors(rows)  # what each record may carry into a sum it is a term of
-    call = calls_of(rows, calls)
 
     def settle(mask: np.ndarray, rule) -> None:
         chosen = open_ & mask
         labels[chosen] = rule if isinstance(rule, str) else rule[chosen]
+        labelled[chosen] = True
         open_[chosen] = False
 
     settle(rounding, "rounding")
@@ -105,7 +108,7 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
     settle(result & (call >= 0) & (within != "") & (within != "unsourced"), within)
 
     def fine() -> np.ndarray:  # rows that do not fail, or are explained by now
-        return (verdict != "fail") | (labels != "")
+        return ~failing | labelled
 
     settle((producer >= 0) & gather(fine(), producer, False), "producer")
     settle(_gradient_sums_within(rows, identity, error, sources, verdict, fine()), "gradient_sum")
@@ -117,9 +120,9 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
     # rounding noise is no source: such a gradient may be apart by its whole size
     settle(_undumped_gradients_within(rows, identity, np.where(rounding, np.nan, sources), fine()), "sent_back")
     final = verdict.copy()
-    final[(verdict == "fail") & (labels != "") & (labels != "limits")] = "warn"
+    final[failing & labelled & (labels != "limits")] = "warn"
     # a culprit found by exact evidence fails its differing outputs: a change its statistics may not see
-    exact = rows_of(rows, calls, judgement.culprit & (judgement.evidence == "exact"))
+    exact = gather(judgement.culprit & (judgement.evidence == "exact"), call, False).astype(bool)
     final[exact & isin(rows["role"], OUTPUT_ROLES) & ~rows["identical"].astype(bool)] = "fail"
     return Explanation(verdict=final, explained_by=labels)
 
@@ -129,11 +132,6 @@ def calls_of(rows: Table, calls: Table) -> np.ndarray:
     keys = ("rank", "step")
     return lookup([*(rows[k] for k in keys), call_directions(rows), rows["seq_a"].astype(np.float64)],
                   [*(calls[k] for k in keys), calls["direction"], calls["seq_a"].astype(np.float64)])
-
-
-def rows_of(rows: Table, calls: Table, selected: np.ndarray) -> np.ndarray:
-    """The rows of the selected calls."""
-    return gather(selected, calls_of(rows, calls), False).astype(bool)
 
 
 def _before_first(rows: Table, calls: Table, judgement: Judgement, earlier: Sequence[Position]) -> np.ndarray:

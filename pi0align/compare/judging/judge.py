@@ -35,8 +35,6 @@ something else.
 
 from __future__ import annotations
 
-import bisect
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -247,25 +245,64 @@ def stands_out(calls: Table) -> np.ndarray:
     """Introduced error ≥ STANDOUT (of the measure it was judged by) × the median of its peers: the
     calls of the same API and direction under other names (the same call at another step is no
     peer: a faulty kernel is faulty at every step); every call with fewer than MIN_PEERS peers."""
-    family = Groups(calls["api"], calls["direction"])
     introduced = calls["introduced_error"].astype(np.float64)
-    typical, peers = np.full(len(calls), np.nan), np.zeros(len(calls), np.int64)
-    names = calls["name"]
-    for members in np.split(family.order, family.starts[1:]) if len(calls) else []:
-        values = introduced[members].tolist()  # Python's floats: a family's names are many, their calls few
-        ordered = sorted(v for v in values if v == v)  # NaN is no peer's value
-        by_name: dict[str, list[int]] = {}
-        for position, name in enumerate(names[members].tolist()):
-            by_name.setdefault(name, []).append(position)
-        family_typical, family_peers = [0.0] * len(members), [0] * len(members)
-        for own in by_name.values():
-            median = median_without(ordered, [values[p] for p in own])
-            for p in own:
-                family_typical[p], family_peers[p] = median, len(members) - len(own)
-        typical[members], peers[members] = family_typical, family_peers
+    typical, peers = peer_medians(introduced, Groups(calls["api"], calls["direction"]).codes, calls["name"])
     standout = np.where(calls["metric"] == "rel_l2_err", STANDOUT["rel_l2_err"], STANDOUT["stats_rel_err"])
     with np.errstate(invalid="ignore"):
         return (peers < MIN_PEERS) | (introduced >= standout * typical)
+
+
+def peer_medians(values: np.ndarray, family: np.ndarray, names: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the median of the values of the rows of its family (`family`: a group code per row)
+    under other names (np.nanmedian of them: NaN is no value, NaN where none is left), and how
+    many such rows there are. The family's values are sorted once; a name's own values are taken
+    out of them by their places (a name's rows are few, a family's many)."""
+    group = Groups(family, names).codes  # a name within its family
+    if not len(values):
+        return np.zeros(0), np.zeros(0, np.int64)
+    n_families, n_groups = int(family.max()) + 1, int(group.max()) + 1
+    group_family = np.zeros(n_groups, np.int64)
+    group_family[group] = family
+    peers = np.bincount(family)[family] - np.bincount(group)[group]
+    valid = ~np.isnan(values)
+    v, f, g = values[valid], family[valid], group[valid]
+    # each family's values in order, and where each value's first equal one is among them
+    by_family = np.lexsort((v, f))
+    sorted_values, sorted_families = v[by_family], f[by_family]
+    family_start = np.searchsorted(sorted_families, np.arange(n_families))
+    below = np.empty(len(v), np.int64)
+    below[by_family] = _run_starts(sorted_families, sorted_values) - family_start[sorted_families]
+    # each name's values in order: the places they leave in their family's, in increasing order
+    by_group = np.lexsort((v, g))
+    grouped = g[by_group]
+    group_start = np.searchsorted(grouped, np.arange(n_groups))
+    removed = np.bincount(grouped, minlength=n_groups)
+    gone = below[by_group] + np.arange(len(v)) - _run_starts(grouped, v[by_group])  # equal values: the next places
+    left = np.bincount(f, minlength=n_families)[group_family] - removed
+
+    def remaining(rank: np.ndarray) -> np.ndarray:
+        """The place in its family's values of the rank-th value left once its name's are taken out."""
+        position = rank.copy()
+        for j in range(int(removed.max())):  # each gone place at or before the position moves it on by one
+            active = np.flatnonzero(removed > j)
+            position[active] += gone[group_start[active] + j] <= position[active]
+        return position
+
+    some = left > 0
+    base = family_start[group_family]
+    low, high = (np.minimum(base + remaining(np.where(some, rank, 0)), max(len(v) - 1, 0))
+                 for rank in ((left - 1) // 2, left // 2))
+    median = np.where(some, (sorted_values[low] + sorted_values[high]) / 2 if len(v) else np.nan, np.nan)
+    return median[group], peers
+
+
+def _run_starts(*keys: np.ndarray) -> np.ndarray:
+    """For rows sorted by `keys`, the first row of the run of equal keys each row is in."""
+    n = len(keys[0])
+    new = np.ones(n, bool)
+    for key in keys:
+        new[1:] |= key[1:] != key[:-1]
+    return np.maximum.accumulate(np.where(new, np.arange(n), 0)) if n else np.zeros(0, np.int64)
 
 
 def beyond_at_every_step(calls: Table, beyond: np.ndarray) -> np.ndarray:
@@ -277,27 +314,6 @@ def beyond_at_every_step(calls: Table, beyond: np.ndarray) -> np.ndarray:
     name = Groups(calls["rank"], calls["name"], calls["direction"])
     every = name.min(beyond.astype(np.float64)) == 1.0
     return (every & (name.count() >= MIN_STEPS_BEYOND))[name.codes]
-
-
-def median_without(ordered: list[float], removed: list[float]) -> float:
-    """The median of the sorted values `ordered` once `removed` (some of them, or NaN: not among
-    them) are taken out, one occurrence each; NaN where none is left. np.nanmedian's answer, in
-    a few steps where the calls of a name are few."""
-    removed = sorted(v for v in removed if v == v)
-    left = len(ordered) - len(removed)
-    if left <= 0:
-        return math.nan
-    # each removed value's place in `ordered`; repeated values take the next place each
-    gone = [bisect.bisect_left(ordered, v) + k - bisect.bisect_left(removed, v) for k, v in enumerate(removed)]
-
-    def remaining(rank: int) -> float:
-        position = rank
-        for index in gone:  # sorted: each removed value at or before the position moves it on by one
-            if index <= position:
-                position += 1
-        return ordered[position]
-
-    return (remaining((left - 1) // 2) + remaining(left // 2)) / 2
 
 
 def after_first(calls: Table, selected: np.ndarray, earlier: Sequence[Position] = ()) -> np.ndarray:

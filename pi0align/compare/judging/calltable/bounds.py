@@ -32,7 +32,7 @@ from pi0align.compare.judging.modules import is_module_api
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.measuring.arguments import adam_step_for
 from pi0align.compare.reading.records import function_names, subjects
-from pi0align.compare.table import KeyIndex, Table, lookup
+from pi0align.compare.table import KeyIndex, Table, lookup, mapped
 from pi0align.dump.file_format import OPTIMIZER_API
 
 # An output error up to twice what the inputs and rounding explain is the spread of the measure
@@ -96,7 +96,7 @@ UPDATE_ROUNDINGS = 2.0
 def matmul_names(api: np.ndarray) -> np.ndarray:
     """Each API's function name in lower case, by which a module of the matmul family is one
     (`Module.Linear` -> `linear`) wherever MATMULS is looked up."""
-    return np.char.lower(function_names(np.atleast_1d(np.asarray(api, object))).astype(str)).astype(object)
+    return mapped(np.atleast_1d(np.asarray(api, object)), lambda name: str(name).rpartition(".")[2].lower())
 
 
 def half_precision(unit: np.ndarray) -> np.ndarray:
@@ -134,29 +134,28 @@ def rounding_floor(unit: np.ndarray, condition: np.ndarray, rule: np.ndarray, ap
     return np.maximum(own, noise_floor(accumulator) * rounding_scale(condition, rule))
 
 
-def invariant_errors(calls: Table, records: Table, call_of_record: np.ndarray) -> np.ndarray:
+def invariant_errors(of: CallRecords) -> np.ndarray:
     """Per call, the error of the statistics its result keeps whatever its inputs (a softmax's
-    mean: every row sums to one), 0 where it keeps none. `records` as for `conditions`, with
+    mean: every row sums to one), 0 where it keeps none. Its records as for `conditions`, with
     `mean_val_rel_err`."""
+    calls = of.calls
     function = function_names(calls["api"])
     softmax = np.flatnonzero((calls["direction"].astype(object) != "backward") & np.isin(function, list(SOFTMAXES)))
     invariant = np.zeros(len(calls))
-    invariant[softmax] = np.nan_to_num(_CallRecords(calls, records, call_of_record).output_statistic_error(
-        softmax, "mean_val_rel_err"))
+    invariant[softmax] = np.nan_to_num(of.output_statistic_error(softmax, "mean_val_rel_err"))
     return invariant
 
 
-def conditions(calls: Table, records: Table, call_of_record: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def conditions(of: CallRecords) -> tuple[np.ndarray, np.ndarray]:
     """The condition C of every call and the rule that gave it ("" where C = 1), from its records
     (side A's norm, mean, min, max and shape, their role and arg_index; the call's rank, step, name
     and direction: a softmax's backward reads its forward call's output, a root's its forward call's
     input) by its API (the tables above), its backward summing a gradient over positions
     (`reduction_condition`) or its selecting a part of its input (SELECTIONS: ‖x‖ / ‖part‖, all of
-    the input's error may sit in the part).
-    `call_of_record`: each record's row in `calls`."""
+    the input's error may sit in the part)."""
+    calls, records, call_of_record = of.calls, of.records, of.call_of_record
     function = function_names(calls["api"])
     forward = calls["direction"].astype(object) != "backward"
-    of = _CallRecords(calls, records, call_of_record)
     condition, rule = np.ones(len(calls)), np.full(len(calls), "", object)
 
     def apply(values: np.ndarray, name: str) -> None:
@@ -176,7 +175,7 @@ def conditions(calls: Table, records: Table, call_of_record: np.ndarray) -> tupl
             apply(_at(len(calls), at, from_ratio(of.closeness_to_zero(at, index))), "quotient")
     for name, exponent in POWER_GRADIENTS.items():
         at = np.flatnonzero((calls["direction"] == "backward") & (function == name))
-        saved = forward_calls(calls, at)
+        saved = of.forward_call[at]
         ratio = np.full(len(at), np.nan)  # no forward call recorded: C = 1
         ratio[saved >= 0] = of.closeness_to_zero(saved[saved >= 0], 0)
         apply(_at(len(calls), at, 1.0 + abs(exponent - 1.0) * ratio), "quotient gradient")
@@ -211,11 +210,12 @@ def _at(n: int, at: np.ndarray, values: np.ndarray) -> np.ndarray:
     return out
 
 
-class _CallRecords:
-    """The records of the calls, found by role and argument index, with side A's statistics."""
+class CallRecords:
+    """The records of the calls (`call_of_record`: each record's row in `calls`), found by role and
+    argument index, with side A's statistics: what every bound of a call table reads, made once."""
 
     def __init__(self, calls: Table, records: Table, call_of_record: np.ndarray):
-        self.records, self.call_of_record, self.n_calls = records, call_of_record, len(calls)
+        self.calls, self.records, self.call_of_record, self.n_calls = calls, records, call_of_record, len(calls)
         self.index = KeyIndex([call_of_record, records["role"], records["arg_index"]])  # asked once per bound
         self.norms = records["norm_a"].astype(np.float64)
         low, high = records["min_a"].astype(np.float64), records["max_a"].astype(np.float64)
@@ -291,21 +291,22 @@ class _CallRecords:
         return largest[at]
 
 
-def forward_calls(calls: Table, at: np.ndarray) -> np.ndarray:
-    """The row in `calls` of the first forward call of the same rank, step and name as each call
-    `at` (what a backward call's forward saved for it), -1 where there is none."""
-    keys = ("rank", "step", "name")
-    forward = np.flatnonzero(calls["direction"] == "forward")
-    found = lookup([calls[k][at] for k in keys], [calls[k][forward] for k in keys])
-    return np.where(found >= 0, forward[np.maximum(found, 0)] if len(forward) else -1, -1)
+    @functools.cached_property
+    def forward_call(self) -> np.ndarray:
+        """Per call, the row of the first forward call of the same rank, step and name (what a
+        backward call's forward saved for it), -1 where there is none."""
+        calls, keys = self.calls, ("rank", "step", "name")
+        forward = np.flatnonzero(calls["direction"] == "forward")
+        found = lookup([calls[k] for k in keys], [calls[k][forward] for k in keys])
+        return np.where(found >= 0, forward[np.maximum(found, 0)] if len(forward) else -1, -1)
 
 
-def _softmax_gradient_conditions(calls: Table, of: _CallRecords, at: np.ndarray) -> np.ndarray:
+def _softmax_gradient_conditions(calls: Table, of: CallRecords, at: np.ndarray) -> np.ndarray:
     """C = 2 max p ‖g‖ / ‖dz‖ for softmax backward calls `at`: dz = p ⊙ g − p (p · g) row by row,
     and each term moves by at most max p ‖δg‖ (the second as ‖p‖² ≤ max p Σ p = max p), so an
     error of g (or, alike, of the saved p) grows by the cancellation of the two terms. max p from
     the forward call's output, 1 (a probability's largest) where it was not recorded."""
-    saved = forward_calls(calls, at)
+    saved = of.forward_call[at]
     largest = np.ones(len(at))
     found = saved >= 0
     largest[found] = of.scale(saved[found], "output", 0)
@@ -314,17 +315,17 @@ def _softmax_gradient_conditions(calls: Table, of: _CallRecords, at: np.ndarray)
         return 2.0 * largest * of.norm(at, "grad_output", 0) / of.norm(at, "grad_input", 0)
 
 
-def _product_gradient_conditions(calls: Table, function: np.ndarray, of: _CallRecords) -> np.ndarray:
+def _product_gradient_conditions(calls: Table, function: np.ndarray, of: CallRecords) -> np.ndarray:
     """The gradients of products are products too: a factor's is g ⊙ the other factor, C = 2 where
     the forward call multiplied two tensors (1 by a number, or where it was not recorded); a
     power's is g ⊙ p x^(p-1), C = 2 as for the forward square. NaN elsewhere."""
     at = np.flatnonzero((calls["direction"] == "backward") & np.isin(function, list(PRODUCTS | POWERS)))
-    saved = forward_calls(calls, at)
+    saved = of.forward_call[at]
     factors = np.where(saved >= 0, of.count("input")[np.maximum(saved, 0)], 1)
     return _at(len(calls), at, np.where(np.isin(function[at], list(POWERS)), 2.0, np.minimum(2.0, factors)))
 
 
-def _row_scaled_product_conditions(function: np.ndarray, forward: np.ndarray, of: _CallRecords) -> np.ndarray:
+def _row_scaled_product_conditions(function: np.ndarray, forward: np.ndarray, of: CallRecords) -> np.ndarray:
     """C = (ρ_a + ρ_s) / e_in for a product of two tensors, one of them constant along the other's
     rows (its last dimension 1), ρ each factor's largest relative L2 error of a row along the last
     dimension and e_in the larger of their relative L2 errors: every row of a s is a row of a times
@@ -345,16 +346,16 @@ def _row_scaled_product_conditions(function: np.ndarray, forward: np.ndarray, of
     return condition
 
 
-def extremes_conditions(calls: Table, records: Table, call_of_record: np.ndarray) -> np.ndarray:
+def extremes_conditions(of: CallRecords) -> np.ndarray:
     """The condition of the extremes of a call's result (channels.introduced_by_channel): for the
     matmul family, ‖A‖ ‖B‖ / (√K ‖AB‖) over the whole batch, which also covers how an average
     (a softmax's weights times V) shrinks the result's largest magnitude against its operands';
     NaN for the other calls (their `conditions`). With the per-product C, noise in the extremes
     of the toy transformer's weights times V came out 2× its bound (C 3.2 → 1)."""
-    return _matmul_conditions(calls, _CallRecords(calls, records, call_of_record), per_product=False)
+    return _matmul_conditions(of.calls, of, per_product=False)
 
 
-def _module_weights(calls: Table, of: _CallRecords, at: np.ndarray) -> np.ndarray:
+def _module_weights(calls: Table, of: CallRecords, at: np.ndarray) -> np.ndarray:
     """The record of the weight `<module>.weight` of each call `at` that is a module's (its
     Parameter record of the same rank and step, as the step's forward read it), -1 elsewhere: a
     module call's records hold its inputs and outputs, not its parameters, and without its weight a
@@ -373,7 +374,7 @@ def _module_weights(calls: Table, of: _CallRecords, at: np.ndarray) -> np.ndarra
     return weights
 
 
-def _matmul_conditions(calls: Table, of: _CallRecords, per_product: bool = True) -> np.ndarray:
+def _matmul_conditions(calls: Table, of: CallRecords, per_product: bool = True) -> np.ndarray:
     """C = ‖A‖ ‖B‖ / (√K √n ‖AB‖) for the matmul family (K the reduction length, n the products
     of a batch both operands hold, 1 unless `per_product`; NaN elsewhere): an operand's relative
     error ε becomes about ε ‖A‖ ‖B‖ / (√K ‖AB‖) in one product, 1 for operands of independent
@@ -391,14 +392,16 @@ def _matmul_conditions(calls: Table, of: _CallRecords, per_product: bool = True)
     first, second = of.record(matmul, "input", operands[:, 0]), of.record(matmul, "input", operands[:, 1])
     second = np.where(second < 0, _module_weights(calls, of, matmul), second)
     result = of.record(matmul, "output", 0)
+    found = (first >= 0) & (second >= 0) & (result >= 0)
+    call, i, j, k = matmul[found], first[found], second[found], result[found]
     norms, shapes = of.norms, of.records["shape_a"]
-    for call, i, j, k in zip(matmul.tolist(), first.tolist(), second.tolist(), result.tolist()):
-        if min(i, j, k) < 0:
-            continue
-        reduction = _last_dimension(str(shapes[i]))
-        products = min(_batch(str(shapes[i])), _batch(str(shapes[j]))) if per_product else 1
-        if reduction and norms[k] > 0 and np.isfinite(norms[i] * norms[j]):
-            condition[call] = matmul_condition(norms[i], norms[j], norms[k], reduction, products)
+    reduction = mapped(shapes[i], lambda shape: _last_dimension(str(shape)), np.int64)
+    products = np.minimum(*(mapped(shapes[m], lambda shape: _batch(str(shape)), np.int64) for m in (i, j))) \
+        if per_product else np.ones(len(call), np.int64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        known = (reduction != 0) & (norms[k] > 0) & np.isfinite(norms[i] * norms[j])
+    call, i, j, k = call[known], i[known], j[known], k[known]
+    condition[call] = matmul_condition(norms[i], norms[j], norms[k], reduction[known], products[known])
     return condition
 
 
@@ -409,7 +412,7 @@ def matmul_condition(norm_a, norm_b, norm_product, reduction, products):
         return np.maximum(1.0, norm_a * norm_b / (np.sqrt(reduction * products) * norm_product))
 
 
-def result_conditions(calls: Table, records: Table, call_of_record: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def result_conditions(of: CallRecords) -> tuple[np.ndarray, np.ndarray]:
     """(C, C of the extremes) of each result of a backward call of the matmul family, NaN for the
     other records (the call's C stands): a call's one C, the largest over its results, held a
     linear's input gradient 5 % off to its bias gradient's C (3.7, PI0 tiny's expert up_proj 12).
@@ -419,12 +422,12 @@ def result_conditions(calls: Table, records: Table, call_of_record: np.ndarray) 
     dX's the output features, dW's the positions; n the products of a batch all three hold; the
     extremes' C over the whole batch, n = 1, as `extremes_conditions`); the other results sum G
     over positions (a bias's): reduction_condition."""
+    calls, records, call_of_record = of.calls, of.records, of.call_of_record
     condition, extremes = np.full(len(records), np.nan), np.full(len(records), np.nan)
     function = matmul_names(calls["api"])
     backward = np.flatnonzero((calls["direction"] == "backward") & np.isin(function, list(MATMULS)))
     if not len(backward):
         return condition, extremes
-    of = _CallRecords(calls, records, call_of_record)
     position = np.full(len(calls), -1, np.int64)
     position[backward] = np.arange(len(backward))
     results = np.flatnonzero((position[call_of_record] >= 0) & (records["role"] == "grad_input"))
@@ -434,7 +437,7 @@ def result_conditions(calls: Table, records: Table, call_of_record: np.ndarray) 
     arg = records["arg_index"][results]
     towards_operand = (operands == arg[:, None]).any(axis=1)
     other_operand = np.where(operands[:, 0] == arg, operands[:, 1], operands[:, 0])
-    other = of.record(forward_calls(calls, backward)[k], "input", other_operand)  # -1 where none
+    other = of.record(of.forward_call[backward][k], "input", other_operand)  # -1 where none
     other = np.where((other < 0) & (other_operand == 1), _module_weights(calls, of, backward)[k], other)
     norms, numel, shapes = of.norms, of.numels, records["shape_a"]
     known = (g >= 0) & (norms[results] > 0) & (numel[results] > 0)
@@ -453,8 +456,7 @@ def result_conditions(calls: Table, records: Table, call_of_record: np.ndarray) 
     return condition, extremes
 
 
-def step_bounds(calls: Table, records: Table, call_of_record: np.ndarray,
-                error: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def step_bounds(of: CallRecords, error: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per optimizer update (recorded, or stood for by the parameter it made), the largest relative
     error its parameter can leave it with: (e_p ‖p‖ + 2 s √n) / ‖p'‖, with e_p the error of the
     parameter it read, ‖p‖ and ‖p'‖ the parameter's norm before and after, n its elements and s the
@@ -464,12 +466,12 @@ def step_bounds(calls: Table, records: Table, call_of_record: np.ndarray,
     from the same initial weights (`from_start`: step 0 not dumped), e_p is 0. NaN where the
     step is not known (not an Adam-family optimizer, no learning rate logged).
     Returns the bounds, and the error of the parameter each update left."""
+    calls, records = of.calls, of.records
     bound, left = np.full(len(calls), np.nan), np.full(len(calls), np.nan)
     update = np.flatnonzero(calls["direction"] == "optimizer")
     standing = np.flatnonzero((calls["direction"] == "parameter") & (calls["previous_step"] >= 0))
     if not len(update) and not len(standing):
         return bound, left
-    of = _CallRecords(calls, records, call_of_record)
     norm, numel = of.norms, of.numels
 
     def record(at: np.ndarray, role: str) -> np.ndarray:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from pi0align.compare.judging.calltable.bounds import (
+    CallRecords,
     conditions,
     extremes_conditions,
-    forward_calls,
     invariant_errors,
     numels,
     result_conditions,
@@ -82,13 +82,13 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     use = np.flatnonzero(judged_records(verdict, rows))
     judged = rows.taken_when_read(use)  # about 20 of the rows' 50 columns are read
     groups = Groups(judged["rank"], judged["step"], call_directions(judged), judged["seq_a"].astype(np.int64))
-    calls, results = _grouped_calls(judged, groups, channels, use, rounding[use], failing_rows[use])
+    calls, results, of = _grouped_calls(judged, groups, channels, use, rounding[use], failing_rows[use])
     if first_step is None:
         first_step = int(rows["step"].min()) if len(rows) else 0
     add_module_parameters(calls, judged, channels["error"][use], failing_rows[use])
     add_parameter_sources(calls, parameters_before, noisy_start)
-    calls["step_bound"], calls["parameter_error"] = step_bounds(calls, judged, groups.codes, channels["error"][use])
-    _add_saved_tensors(calls)
+    calls["step_bound"], calls["parameter_error"] = step_bounds(of, channels["error"][use])
+    _add_saved_tensors(calls, of.forward_call)
     add_gradient_sources(calls, rows, identity, channels["source"], failing_rows)
     call_of_row = np.full(len(rows), -1, np.int64)
     call_of_row[use] = groups.codes
@@ -118,10 +118,11 @@ def _row_channels(rows: Table, rounding: np.ndarray) -> Table:
 
 
 def _grouped_calls(judged: Table, groups: Groups, channels: Table, use: np.ndarray, rounding: np.ndarray,
-                   fail: np.ndarray) -> tuple[Table, Table]:
+                   fail: np.ndarray) -> tuple[Table, Table, CallRecords]:
     """The calls of the judged records (`groups`: one per call; `use`: their rows in `channels`),
     with their conditions, and their results: each judged output's call (`call`), its statistic
-    channels, elements and own conditions (bounds.result_conditions)."""
+    channels, elements and own conditions (bounds.result_conditions); and the calls' records, as
+    the bounds read them."""
     sources, error, metric = (channels[c][use] for c in ("source", "error", "metric"))
     summed, extremes, spread, summed_sources = (np.nan_to_num(np.where(rounding, np.nan, channels[c][use]))
                                                 for c in ("summed", "extremes", "spread", "summed_source"))
@@ -157,18 +158,19 @@ def _grouped_calls(judged: Table, groups: Groups, channels: Table, use: np.ndarr
         "inputs_identical": ~groups.any(is_in & ~identical),
         "outputs_differ": groups.any(is_out & ~identical),
     })
-    calls["condition"], calls["condition_rule"] = conditions(calls, judged, groups.codes)
-    calls["condition_extremes"] = extremes_conditions(calls, judged, groups.codes)
+    of = CallRecords(calls, judged, groups.codes)
+    calls["condition"], calls["condition_rule"] = conditions(of)
+    calls["condition_extremes"] = extremes_conditions(of)
     out = np.flatnonzero(is_out)
-    condition, condition_extremes = (c[out] for c in result_conditions(calls, judged, groups.codes))
+    condition, condition_extremes = (c[out] for c in result_conditions(of))
     results = Table({"call": groups.codes[out], "summed": summed[out], "extremes": extremes[out],
                      "numel": numels(judged["shape_a"][out]), "condition": condition,
                      "condition_extremes": condition_extremes})
-    calls["invariant_error"] = invariant_errors(calls, judged, groups.codes)
+    calls["invariant_error"] = invariant_errors(of)
     calls["sourced"] = np.ones(len(calls), bool)  # False: what made its input is not known
     calls["previous_step"] = np.full(len(calls), -1, np.int64)
     calls["from_start"] = np.zeros(len(calls), bool)  # read by step_bounds, not kept
-    return calls, results
+    return calls, results, of
 
 
 def _introduced(calls: Table, results: Table, first_step: int) -> Table:
@@ -196,10 +198,10 @@ def _stand_in_results(stand_ins: Table, first: int) -> Table:
                   "condition_extremes": np.full(n, np.nan)})
 
 
-def _add_saved_tensors(calls: Table) -> None:
-    """A backward call also reads what its forward call saved (its inputs and outputs): count the
-    forward call's error as input error of the backward call of the same name."""
-    saved = forward_calls(calls, np.arange(len(calls)))
+def _add_saved_tensors(calls: Table, saved: np.ndarray) -> None:
+    """A backward call also reads what its forward call saved (its inputs and outputs; `saved`: each
+    call's forward call, CallRecords.forward_call): count the forward call's error as input error of
+    the backward call of the same name."""
     backward = (calls["direction"] == "backward") & (saved >= 0)
     source = saved[backward]
     saved_error = np.maximum(calls["input_error"][source], calls["output_error"][source])
