@@ -463,7 +463,8 @@ def _gap_rows(norm_at_end: float = 0.1, dumped_before: int = 0) -> Table:
                   "norm_a": np.array([1.0, 0.1, 0.01, 1.0, norm_at_end, 0.01, 1.0, 1.0]),
                   "norm_b": np.array([1.0, 0.1, 0.01, 1.0, norm_at_end, 0.01, 1.0, 1.0]),
                   "update_step": np.r_[np.full(6, 1e-3), np.nan, np.nan], "dtype_a": np.full(n, "float32", object),
-                  "dtype_b": np.full(n, "float32", object), "checksum_a": np.arange(n), "checksum_b": np.arange(n) + n},
+                  "dtype_b": np.full(n, "float32", object), "dtype_class": np.full(n, "float32", object),
+                  "checksum_a": np.arange(n), "checksum_b": np.arange(n) + n},
                  length=n)
 
 
@@ -515,7 +516,7 @@ def _gradient_rows(norms_a: list[float], dtype: str) -> Table:
                   "direction": np.full(n, "backward", object), "seq_a": np.zeros(n), "module": np.full(n, "m", object),
                   "name": np.full(n, "m/F.linear#0", object), "norm_a": np.array(norms_a),
                   "norm_b": np.array(norms_a) * 1.01, "dtype_a": np.full(n, dtype, object),
-                  "dtype_b": np.full(n, dtype, object)})
+                  "dtype_b": np.full(n, dtype, object), "dtype_class": np.full(n, dtype, object)})
 
 
 def test_rounding_level_is_counted_in_unit_roundoffs():
@@ -536,7 +537,8 @@ def test_near_zero_records_of_the_noise_reference_lift_no_limits():
     reference = Table({"rank": np.zeros(n, np.int64), "step": np.zeros(n, np.int64),
                        "direction": np.full(n, "forward", object), "seq_a": np.array([0.0, 0.0, 1.0, 1.0]),
                        "norm_a": np.array([1.0, 1e-12, 1.0, 1.0]), "dtype_a": np.full(n, "float32", object),
-                       "dtype_b": np.full(n, "float32", object), "pairing": np.full(n, "matched", object),
+                       "dtype_b": np.full(n, "float32", object), "dtype_class": np.full(n, "float32", object),
+                       "pairing": np.full(n, "matched", object),
                        **{m: np.array([1e-7, 1.0, 1e-7, 1e-7]) for m in ("rel_l2_err", "norm_rel_err",
                                                                           "mean_val_rel_err", "min_rel_err",
                                                                           "max_val_rel_err")},
@@ -657,7 +659,8 @@ def _undumped_rows(gradient_norm_error: float, sent_back_norm_error: float) -> T
                   "role": np.array(["output", "output", "output", "grad_input", "grad_input", "grad_output"], object),
                   "seq_a": np.array([0, 1, 2, 3, 4, 5]), "arg_index": np.zeros(n, int),
                   "shape_a": np.full(n, "[64]", object), "dtype_a": np.full(n, "torch.float32", object),
-                  "dtype_b": np.full(n, "torch.float32", object), "rel_l2_err": np.full(n, np.nan),
+                  "dtype_b": np.full(n, "torch.float32", object), "dtype_class": np.full(n, "float32", object),
+                  "rel_l2_err": np.full(n, np.nan),
                   "checksum_a": np.arange(n), "checksum_b": np.arange(n) + 100, "identical": np.zeros(n, bool),
                   "evidence": np.full(n, "statistics", object), **stats})
 

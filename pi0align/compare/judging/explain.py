@@ -38,7 +38,7 @@ from pi0align.compare.judging.identity import (
 )
 from pi0align.compare.judging.judge import Judgement, Position, downstream
 from pi0align.compare.judging.modules import containing, enclosing_paths, is_module_api
-from pi0align.compare.judging.thresholds import unit_roundoffs
+from pi0align.compare.judging.thresholds import class_roundoffs
 from pi0align.compare.judging.verdict import checksums_known
 from pi0align.compare.reading.records import OUTPUT_ROLES, subjects
 from pi0align.compare.result import CallRef
@@ -143,7 +143,7 @@ def _before_first(rows: Table, calls: Table, judgement: Judgement, earlier: Sequ
 
 
 def _floors(rows: Table) -> np.ndarray:
-    return noise_floor(unit_roundoffs(rows["dtype_a"], rows["dtype_b"]))
+    return noise_floor(class_roundoffs(rows["dtype_class"]))
 
 
 def _gradient_sums_within(rows: Table, identity: np.ndarray, error: np.ndarray, sources: np.ndarray,
@@ -342,7 +342,7 @@ def _undumped_gradients_within(rows: Table, identity: np.ndarray, sources: np.nd
         return explained
     summed, extremes, spread = statistic_channels(rows)
     summed_sources = at_least(summed, precision_floors(rows))
-    units = unit_roundoffs(rows["dtype_a"], rows["dtype_b"])
+    units = class_roundoffs(rows["dtype_class"])
     half, floors = half_precision(units), noise_floor(units)
     for g, read in zip(candidates.tolist(), _read_by_code_not_dumped(rows, identity, output, candidates)):
         if not fine[read].all():

@@ -42,13 +42,14 @@ def enclosing_modules(calls: Table) -> np.ndarray:
     child's (a Sequential's and its first Linear's, at level module): without it the parent, first
     in order, was named and its child counted downstream of it."""
     order = np.lexsort((calls["seq_a"], calls["direction"], calls["step"], calls["rank"]))
-    module_api = is_module(calls)
-    paths = calls["module"]
+    module_api = is_module(calls).tolist()
+    paths, ranks, steps = calls["module"].tolist(), calls["rank"].tolist(), calls["step"].tolist()
+    directions = calls["direction"].tolist()
     parent = np.full(len(calls), -1, np.int64)
     open_calls: list[int] = []
     group = None
     for i in order.tolist():
-        key = (int(calls["rank"][i]), int(calls["step"][i]), str(calls["direction"][i]))
+        key = (ranks[i], steps[i], directions[i])
         if key != group:
             open_calls, group = [], key
         if key[2] != "forward" and not module_api[i]:

@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, looser_classes
-from pi0align.compare.table import Groups, Table, isin
+from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
+from pi0align.compare.table import Groups, Table, isin, mapped
 
 _GRADIENT_ROLES = ("grad_input", "grad_output")
 ROUNDING_UNITS = {"float64": 64.0, "float32": 64.0, "float16": 1.0, "bfloat16": 1.0, "integer": 0.0}
 
 
-def rounding_share(dtypes_a: np.ndarray, dtypes_b: np.ndarray) -> np.ndarray:
-    """Per record, the share of its context's largest gradient below which a gradient is rounding noise."""
-    classes = looser_classes(dtypes_a, dtypes_b).tolist()
-    return np.array([ROUNDING_UNITS[c] * UNIT_ROUNDOFF[c] if c else 0.0 for c in classes])
+def rounding_share(classes: np.ndarray) -> np.ndarray:
+    """Per record (its `dtype_class`), the share of its context's largest gradient below which a
+    gradient is rounding noise."""
+    return mapped(classes, lambda c: ROUNDING_UNITS[c] * UNIT_ROUNDOFF[c] if c else 0.0, np.float64)
 
 
 def rounding_level(rows: Table, verdict: np.ndarray) -> np.ndarray:
@@ -40,7 +40,7 @@ def rounding_level(rows: Table, verdict: np.ndarray) -> np.ndarray:
     for mask, context in ((backward, rows["seq_a"]), (parameter_grad, rows["module"])):
         groups = Groups(rank[mask], step[mask], context[mask])
         reference[mask] = groups.max(np.where(np.isnan(norm_a[mask]), 0.0, norm_a[mask]))[groups.codes]
-    floor = rounding_share(rows["dtype_a"], rows["dtype_b"]) * reference
+    floor = rounding_share(rows["dtype_class"]) * reference
     with np.errstate(invalid="ignore"):
         tiny = (norm_a < floor) & (rows["norm_b"].astype(np.float64) < floor)
     return tiny & (backward | parameter_grad) & (role != "grad_output") & (verdict == "fail")

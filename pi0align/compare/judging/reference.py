@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from pi0align.compare.judging.noise import rounding_share
+from pi0align.compare.judging.thresholds import looser_classes
 from pi0align.compare.reading.records import Dump
 from pi0align.compare.table import Groups, Table, gather, lookup
 from pi0align.errors import UserError
@@ -33,7 +34,8 @@ def raised_limits(rows: Table, limits: dict, reference: Table, reference_errors:
     calls = Groups(*(reference[k][known] for k in keys), reference["seq_a"][known])
     norm = np.nan_to_num(reference["norm_a"].astype(np.float64)[known], nan=0.0)
     largest = calls.max(norm)[calls.codes]
-    significant = norm >= rounding_share(reference["dtype_a"][known], reference["dtype_b"][known]) * largest
+    classes = looser_classes(reference["dtype_a"][known], reference["dtype_b"][known])
+    significant = norm >= rounding_share(classes) * largest
     first = np.flatnonzero(known)[calls.first]
     call_keys = [*(reference[k][first] for k in keys), reference["seq_a"][first].astype(np.float64)]
     order = np.lexsort(call_keys[::-1])  # calls in execution order within (rank, step, direction)

@@ -78,11 +78,14 @@ def looser_classes(dtypes_a, dtypes_b) -> np.ndarray:
     return np.array([table[pair] for pair in zip(a.tolist(), b.tolist())], dtype=object)
 
 
-def unit_roundoffs(dtypes_a, dtypes_b=None) -> np.ndarray:
-    """Per record, the unit roundoff of its dtype, or of the looser of its two dtypes where both
-    columns are given; 0 where it has none."""
-    classes = looser_classes(dtypes_a, dtypes_b) if dtypes_b is not None else \
-        mapped(dtypes_a, lambda dtype: dtype_class(dtype) if dtype else "")
+def unit_roundoffs(dtypes) -> np.ndarray:
+    """Per record, the unit roundoff of its dtype; 0 where it has none."""
+    return class_roundoffs(mapped(dtypes, lambda dtype: dtype_class(dtype) if dtype else ""))
+
+
+def class_roundoffs(classes) -> np.ndarray:
+    """Per record, the unit roundoff of its class (a row's `dtype_class`: of the looser of its two
+    dtypes, looser_classes); 0 where it has none."""
     return mapped(classes, lambda cls: UNIT_ROUNDOFF[cls] if cls else 0.0, np.float64)
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pi0align.compare.judging.reference import raised_limits
-from pi0align.compare.judging.thresholds import JUDGED_ERRORS, looser_classes
+from pi0align.compare.judging.thresholds import JUDGED_ERRORS
 from pi0align.compare.measuring.metrics import relative
 from pi0align.compare.result import COMPARABLE, SAME_SHAPE_AND_DTYPE
 from pi0align.compare.table import Table, isin
@@ -27,7 +27,7 @@ def metric_limits(rows: Table, thresholds: dict) -> dict[str, np.ndarray]:
     """Each judged error's limit per row (cosine: 1 - limit), NaN where the pair is not judged.
     A pair of two dtypes is judged by the looser one's thresholds."""
     judged = isin(rows["pairing"], COMPARABLE)
-    classes = np.where(judged, looser_classes(rows["dtype_a"], rows["dtype_b"]), "")
+    classes = np.where(judged, rows["dtype_class"], "")
     limits = {m: np.full(len(rows), np.nan) for m in JUDGED}
     for cls in set(classes[judged]):
         mask = classes == cls
@@ -52,7 +52,7 @@ def severity(ratios: dict[str, np.ndarray]) -> np.ndarray:
 
 def verdicts(rows: Table, severities: np.ndarray, thresholds: dict) -> np.ndarray:
     warn_fraction = {cls: limits["warn_fraction"] for cls, limits in thresholds.items()}
-    classes = looser_classes(rows["dtype_a"], rows["dtype_b"])
+    classes = rows["dtype_class"]
     warn_at = np.array([warn_fraction.get(cls, np.nan) for cls in classes.tolist()], dtype=np.float64)
     with np.errstate(invalid="ignore"):
         return np.where(np.isnan(severities), "n/a",

@@ -16,6 +16,7 @@ from pi0align.compare.judging.explain import Explanation, explain, optimizer_sta
 from pi0align.compare.judging.identity import tensor_identities
 from pi0align.compare.judging.judge import Judgement, Position, bit_comparable, computes_alike, first_positions, judge
 from pi0align.compare.judging.noise import rounding_level
+from pi0align.compare.judging.thresholds import looser_classes
 from pi0align.compare.judging.verdict import judge_rows
 from pi0align.compare.measuring.manifest import host_cpus_differ, same_initial_weights
 from pi0align.compare.reading.records import OUTPUT_ROLES
@@ -113,6 +114,7 @@ def _stages(rows: Table, reference: Table | None, settings: Settings, carried: C
             earlier: Sequence[Position]) -> _Stages:
     """The rows against their limits, the call table and the judgement of each call; the
     comparison's first step and whether the runs are bit-comparable from the first window."""
+    rows["dtype_class"] = looser_classes(rows["dtype_a"], rows["dtype_b"])  # read by every stage
     judged_rows = judge_rows(rows, settings.thresholds, reference)
     rounding = rounding_level(rows, judged_rows.verdict)
     rows["identical"] = judged_rows.identical

@@ -41,7 +41,7 @@ from pi0align.compare.judging.calltable.undumped import add_inside_errors, batch
 from pi0align.compare.judging.execution import PHASES, call_directions, kinds
 from pi0align.compare.judging.identity import RESULT_ROLES, produced
 from pi0align.compare.judging.modules import enclosing_modules
-from pi0align.compare.judging.thresholds import unit_roundoffs
+from pi0align.compare.judging.thresholds import class_roundoffs, unit_roundoffs
 from pi0align.compare.reading.records import INPUT_ROLES, OUTPUT_ROLES
 from pi0align.compare.result import CallRef
 from pi0align.compare.table import Groups, Table, isin
@@ -128,7 +128,7 @@ def _grouped_calls(judged: Table, groups: Groups, channels: Table, use: np.ndarr
                                                 for c in ("summed", "extremes", "spread", "summed_source"))
     is_in = isin(judged["role"], INPUT_ROLES)
     is_out = isin(judged["role"], (*OUTPUT_ROLES, "parameter", "parameter_grad"))
-    roundoff = unit_roundoffs(judged["dtype_a"], judged["dtype_b"])
+    roundoff = class_roundoffs(judged["dtype_class"])
     first = groups.first
     identical = judged["identical"].astype(bool)
     calls = Table({

@@ -17,9 +17,9 @@ from pi0align.compare.judging.calltable.bounds import (
     numels,
     rounding_floor,
 )
-from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF, looser_classes
+from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.judging.verdict import checksums_known
-from pi0align.compare.table import Groups, Table
+from pi0align.compare.table import Groups, Table, mapped
 
 STATS_ERRORS = ["norm_rel_err", "mean_val_rel_err", "min_rel_err", "max_val_rel_err"]
 # A norm and a mean sum a tensor's elementwise differences, so random ones (rounding's) move them
@@ -143,8 +143,7 @@ def precision_floors(rows: Table) -> np.ndarray:
     records: float32 values computed from bfloat16 ones carry bfloat16's differences), so at least
     that noise floor. (A float32 gradient whose sampled elements agreed, of PI0 tiny in bf16 at 1
     and 2 threads, once counted as exact, and the sum of it over the batch was named.)"""
-    classes = looser_classes(rows["dtype_a"], rows["dtype_b"]).tolist()
-    roundoff = np.array([UNIT_ROUNDOFF.get(c, np.inf) for c in classes])
+    roundoff = mapped(rows["dtype_class"], lambda c: UNIT_ROUNDOFF.get(c, np.inf), np.float64)
     floating = roundoff < UNIT_ROUNDOFF["integer"]  # no dtype (one side only): none
     step = Groups(rows["rank"], rows["step"])
     coarsest = step.max(np.where(floating, roundoff, 0.0))[step.codes]

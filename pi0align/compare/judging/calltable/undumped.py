@@ -14,7 +14,7 @@ from pi0align.compare.judging.calltable.bounds import (
 from pi0align.compare.judging.calltable.channels import channel_ratios
 from pi0align.compare.judging.identity import requires_grad
 from pi0align.compare.judging.modules import holds_calls
-from pi0align.compare.table import Table, gather, lookup
+from pi0align.compare.table import Table, gather, key_codes, lookup
 
 
 def add_inside_errors(calls: Table, rows: Table, call_of_row: np.ndarray, producer: np.ndarray,
@@ -125,12 +125,11 @@ def model_input_rows(calls: Table, rows: Table, call_of_row: np.ndarray, produce
     candidates = np.flatnonzero(read)
     order = candidates[np.lexsort((rows["seq_a"][candidates].astype(np.float64), rows["step"][candidates],
                                    rows["rank"][candidates]))]
-    seen: set[tuple[int, int, int]] = set()
-    for row in order.tolist():
-        tensor = (int(rows["rank"][row]), int(rows["step"][row]), int(identity[row]))
-        if identity[row] < 0 or tensor not in seen:
-            first[row] = True
-            seen.add(tensor)
+    known = identity[order] >= 0
+    first[order[~known]] = True  # a tensor not known: each reading its own
+    kept = order[known]
+    tensor, _ = key_codes(rows["rank"][kept], rows["step"][kept], identity[kept])
+    first[kept[np.unique(tensor, return_index=True)[1]]] = True  # each tensor's first reader
     return first
 
 
