@@ -209,8 +209,7 @@ class _StepRecords:
     def __init__(self, step: int, construct: dict, frames: dict[str, tuple[str, ...]]):
         self.step, self.construct, self.frames = step, construct, frames
         self.stacks: dict[tuple[int, int], tuple[str, ...]] = {}
-        # per call: id, name, module, api, direction, site, whether it ran inside an optimizer's step
-        self.calls: tuple[list, ...] = ([], [], [], [], [], [], [])
+        self.calls: tuple[list, ...] = ([], [], [], [], [], [])  # per call: id, name, module, api, direction, frames
         self.owner = np.zeros(0, np.int64)  # per group, its call's position in self.calls; -1: not kept
         self._forward_names: dict[str, str] = {}
         self._counts: dict[tuple[str, str], int] = {}
@@ -225,7 +224,7 @@ class _StepRecords:
             parameter_groups.setdefault(int(scanned.group_call[group]), []).append(group)
         self.owner = np.full(len(counts), -1, np.int64)
         position_of_call = [-1] * len(scanned.keys)
-        ids, names, modules, apis, directions, sites, in_step = (column.append for column in self.calls)
+        ids, names, modules, apis, directions, frames_column = self.calls
         construct, frames_of, forward_names, counts_of = self.construct, self.frames, self._forward_names, self._counts
         stacks, step, call = self.stacks, self.step, 0
         for index, key in enumerate(scanned.keys):
@@ -237,10 +236,10 @@ class _StepRecords:
                     k = counts_of.get((module, api), 0)
                     counts_of[(module, api)] = k + 1
                     name = forward_names[forward_key] = f"{module}/{api}#{k}"
-                frames = stacks[(step, call)] = frames_of.get(key, ())
-                position_of_call[index] = len(self.calls[0])
-                ids(call), names(name), modules(module), apis(api), directions(direction)
-                sites(call_site(frames)), in_step(_in_optimizer_step(frames))
+                position_of_call[index] = len(ids)
+                ids.append(call), names.append(name), modules.append(module), apis.append(api)
+                directions.append(direction), frames_column.append(frames_of.get(key, ()))
+                stacks[(step, call)] = frames_column[-1]
                 call += 1
             for group in parameter_groups.get(index, ()):
                 self._add_parameter(own_path, scanned.group_parameter[group], group, int(roles[group]), key)
@@ -255,7 +254,7 @@ class _StepRecords:
         call = self._parameter_calls.setdefault(name, _PARAMETER_CALLS + len(self._parameter_calls))
         self.owner[group] = len(self.calls[0])
         for column, value in zip(self.calls, (call, name, own_path, "Parameter", "parameter",
-                                              call_site(self.frames.get(stack_key, ())), False)):
+                                              self.frames.get(stack_key, ()))):
             column.append(value)
 
     def table(self, rank: int, tensor_dir: Path, scanned: ScannedStep) -> Table:
@@ -267,8 +266,11 @@ class _StepRecords:
         arg_index = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)  # 0, 1, ... within a group
         rows = np.repeat(group_starts[kept], counts) + arg_index  # each record's tensor in the scanned columns
         of_call = np.repeat(self.owner[kept], counts)
-        ids, names, modules, apis, directions, sites = (np.array(column, object) for column in self.calls[:6])
-        in_step = np.array(self.calls[6], bool)
+        ids, names, modules, apis, directions = (np.array(column, object) for column in self.calls[:5])
+        frames = self.calls[5]
+        in_step = np.array([direction != "parameter" and _in_optimizer_step(f)
+                            for direction, f in zip(self.calls[4], frames)], bool)
+        sites = np.array(list(map(call_site, frames)), object)
         call_ids, names, modules, apis, directions, sites = (
             column[of_call] for column in (ids, names, modules, apis, _update_phase(directions, in_step), sites))
         data_names = scanned.data_name[rows]

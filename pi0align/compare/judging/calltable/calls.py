@@ -44,7 +44,7 @@ from pi0align.compare.judging.modules import enclosing_modules
 from pi0align.compare.judging.thresholds import class_roundoffs, unit_roundoffs
 from pi0align.compare.reading.records import INPUT_ROLES, OUTPUT_ROLES
 from pi0align.compare.result import CallRef
-from pi0align.compare.table import Groups, Table, isin
+from pi0align.compare.table import Groups, Table, isin, mapped
 
 CALL_COLUMNS = ["rank", "step", "direction", "kind", "seq_a", "name", "module", "api", "input_error", "output_error",
                 "inputs_pass", "outputs_fail", "introduced_error", "condition", "condition_rule", "invariant_error",
@@ -56,7 +56,8 @@ CALL_COLUMNS = ["rank", "step", "direction", "kind", "seq_a", "name", "module", 
 
 def judged_records(verdict: np.ndarray, rows: Table) -> np.ndarray:
     """Records that take part in the call table: judged, of a phase of the step."""
-    return isin(verdict, ["pass", "warn", "fail"]) & isin(call_directions(rows), PHASES)
+    of_a_phase = mapped(rows["direction"], lambda direction: direction in PHASES, bool)
+    return (verdict != "n/a") & (of_a_phase | (rows["role"] == "parameter_grad"))  # call_directions in PHASES
 
 
 def producers(rows: Table, verdict: np.ndarray, identity: np.ndarray) -> np.ndarray:
