@@ -1,1 +1,0 @@
-"""Reading dumps: pi0align dump files and msprobe dump folders into one in-memory shape (`Dump`)."""

@@ -1,1 +1,0 @@
-"""The monitor: every module's quantities at every step into monitor.h5, and the alerts they raise."""

@@ -1,1 +1,0 @@
-"""Writing dumped steps to the dump file, in a process of its own, each append all-or-nothing."""

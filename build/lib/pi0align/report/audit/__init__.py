@@ -1,1 +1,0 @@
-"""The reports of `pi0align audit`: console, JSON, HTML."""

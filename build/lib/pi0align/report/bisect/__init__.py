@@ -1,1 +1,0 @@
-"""The reports of `pi0align bisect`: the console as probes finish, and JSON."""

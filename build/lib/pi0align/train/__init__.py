@@ -1,1 +1,0 @@
-"""The training loop: LeRobot's PI0 training, seeded, logged, checkpointed."""
