@@ -78,6 +78,20 @@ def test_msprobe_unknown_task_and_broken_json_are_refused(tmp_path, good):
         compare_dumps(folder, good)
 
 
+def test_msprobe_arguments_nested_deeper_than_python_recurses_are_refused_in_one_line(tmp_path, good):
+    """orjson parses 1,024 levels, Python recurses about 1,000 deep: a dump.json whose argument is
+    nested in between is refused in one line (it ended in a RecursionError's traceback)."""
+    folder = _msprobe_folder(tmp_path)
+    tensor = json.dumps({"type": "torch.Tensor", "dtype": "torch.float32", "shape": [1], "Max": 1.0, "Min": 0.0,
+                         "Mean": 0.5, "Norm": 1.0})
+    nested = "[" * 1000 + tensor + "]" * 1000
+    (folder / "step0" / "rank0" / "dump.json").write_text(
+        '{"task": "statistics", "data": {"Functional.linear.0.forward": {"input_args": ' + nested + "}}}")
+    with pytest.raises(UserError, match="not as msprobe writes it") as error:
+        compare_dumps(folder, good)
+    assert "\n" not in str(error.value)
+
+
 def test_msprobe_names_and_roles_are_mapped(tmp_path):
     tensor = lambda v: {"type": "torch.Tensor", "dtype": "torch.float32", "shape": [2], "Max": v, "Min": -v,
                         "Mean": 0.0, "Norm": v, "requires_grad": True}

@@ -105,8 +105,9 @@ def _load_json(path: Path, raw: bytes | None = None) -> Any:
         raise UserError(f"{path}: cannot read msprobe JSON ({error})") from None
 
 
-# What malformed msprobe JSON (a field missing, a value of another type) raises while it is read.
-_MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError)
+# What malformed msprobe JSON (a field missing, a value of another type, an argument nested deeper
+# than Python recurses: orjson parses 1,024 levels) raises while it is read.
+_MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RecursionError)
 
 
 def _scan_step(path: Path) -> ScannedStep:
