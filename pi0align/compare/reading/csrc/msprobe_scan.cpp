@@ -520,12 +520,13 @@ extern "C" {
 // (which a JSON string cannot hold unescaped). `*handle` holds the columns until
 // pi0align_msprobe_columns copies them out and frees it.
 void pi0align_msprobe_scan(const char* text, int64_t length, void** handle, int64_t* sizes) {
-  auto* scanner = new Scanner(text, length);
   *handle = nullptr;
   std::fill(sizes, sizes + 9, 0);
+  Scanner* scanner = nullptr;
   try {
+    scanner = new Scanner(text, length);
     scanner->scan();
-  } catch (const GiveUp&) {
+  } catch (...) {  // GiveUp, or memory running out: no exception crosses into Python's C
     delete scanner;
     return;
   }
