@@ -217,7 +217,7 @@ def _texts(raw: bytes, spans: np.ndarray, n: int) -> np.ndarray:
     names among many groups; no file names in a dump of statistics)."""
     texts = np.full(n, "", object)
     present = np.flatnonzero(spans[:, 0] >= 0)
-    texts[present] = [_text(raw, o, n) for o, n in spans[present].tolist()]
+    texts[present] = [_text(raw, offset, length) for offset, length in spans[present].tolist()]
     return texts
 
 
