@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
-import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pi0align.compare.reading.msprobe_scan import TASKS, ScannedStep, scanner, walk
+from pi0align.compare.reading.msprobe_scan import ScannedStep, scanner
+from pi0align.compare.reading.read_msprobe import walked_step
+from pi0align.errors import UserError
 from pi0align.testing.dumpfactory import write_msprobe_dump
 
 SCANNER = scanner()
@@ -24,18 +26,8 @@ pytestmark = pytest.mark.skipif(SCANNER is None, reason="no C++ compiler: the re
 def reference(raw: bytes) -> ScannedStep | None:
     """What the reader makes of a dump.json without the scanner: its columns, None where refused."""
     try:
-        dump = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        try:
-            dump = json.loads(raw)
-        except (ValueError, RecursionError):
-            return None
-    if not isinstance(dump, dict) or not isinstance(dump.get("data"), dict) or dump.get("task", "") not in TASKS \
-            or dump.get("framework", "pytorch") != "pytorch":
-        return None
-    try:
-        return walk(dump)
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError):
+        return walked_step(Path("dump.json"), raw)
+    except UserError:
         return None
 
 

@@ -24,7 +24,8 @@ import numpy as np
 
 ROLES = ("input", "output", "grad_output", "grad_input", "parameter", "parameter_grad")  # csrc's order
 PARAMETER_ROLES = frozenset({ROLES.index("parameter"), ROLES.index("parameter_grad")})
-TASKS = ("statistics", "tensor")
+TASK_MODES = {"statistics": "stats", "tensor": "tensor"}  # msprobe's tasks read, and our mode of each
+TASKS = tuple(TASK_MODES)  # csrc's order: task 1, task 2
 _STATISTICS_FIELDS = ("Min", "Max", "Mean", "Norm")
 _STATISTICS = operator.itemgetter(*_STATISTICS_FIELDS)
 _SHAPE, _DTYPE = operator.itemgetter("shape"), operator.itemgetter("dtype")  # every tensor entry has both

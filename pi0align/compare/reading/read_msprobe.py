@@ -24,14 +24,22 @@ from typing import Any
 import numpy as np
 import orjson
 
-from pi0align.compare.reading.msprobe_scan import PARAMETER_ROLES, ROLES, TASKS, ScannedStep, parse_key, scanner, walk
+from pi0align.compare.reading.msprobe_scan import (
+    PARAMETER_ROLES,
+    ROLES,
+    TASK_MODES,
+    TASKS,
+    ScannedStep,
+    parse_key,
+    scanner,
+    walk,
+)
 from pi0align.compare.reading.records import Dump, TensorRecord, call_site, no_metrics, no_records
 from pi0align.compare.reading.sizes import check_tensor
 from pi0align.compare.reading.torch_files import load_tensor
 from pi0align.compare.table import Table
 from pi0align.errors import UserError
 
-_MODES = {"statistics": "stats", "tensor": "tensor"}  # msprobe's task -> our mode
 _FRAME = re.compile(r"File (?P<file>.*?), line (?P<line>\d+), in (?P<func>[^,\n]+)")
 _PARAMETER_CALLS = 1 << 40  # call ids of parameters: after every real call, in first-seen order
 _RANK_DIR = re.compile(r"^(rank|proc)(\d*)$")
@@ -116,8 +124,12 @@ def _scan_step(path: Path) -> ScannedStep:
     raw = _read_bytes(path)
     compiled = scanner()
     scanned = compiled.scan(raw) if compiled is not None else None
-    if scanned is not None:
-        return scanned
+    return scanned if scanned is not None else walked_step(path, raw)
+
+
+def walked_step(path: Path, raw: bytes) -> ScannedStep:
+    """The reference: a dump.json's bytes parsed and walked through (msprobe_scan.walk); UserError,
+    in one line, where they are not msprobe's."""
     dump = _load_json(path, raw)
     if not isinstance(dump, dict) or not isinstance(dump.get("data"), dict):
         raise UserError(f"{path}: not an msprobe dump.json (no 'data' object)")
@@ -136,7 +148,7 @@ def _read_rank(root: Path, rank: int, folders: list[tuple[int, Path]]) -> Dump:
     tables, stacks, modes = [], {}, set()
     for step, folder in sorted(folders):
         scanned = _scan_step(folder / "dump.json")
-        modes.add(_MODES[scanned.task])
+        modes.add(TASK_MODES[scanned.task])
         construct = _load_json(folder / "construct.json") if (folder / "construct.json").exists() else {}
         if not isinstance(construct, dict):
             raise UserError(f"{folder / 'construct.json'}: not an msprobe construct.json (not an object)")
