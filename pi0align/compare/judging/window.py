@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pi0align.compare.judging.calltable.calls import call_table, producers
+from pi0align.compare.judging.calltable.calls import call_table, judged_records, producers
 from pi0align.compare.judging.calltable.sources import parameter_calls
 from pi0align.compare.judging.explain import Explanation, explain, optimizer_states
 from pi0align.compare.judging.identity import tensor_identities
@@ -124,13 +124,14 @@ def _stages(rows: Table, reference: Table | None, settings: Settings, carried: C
                                                                   settings.manifest_a),
                           carried.parameters, carried.states, carried.earlier)
     identity = tensor_identities(rows)
-    producer = producers(rows, judged_rows.verdict, identity)
+    judged = judged_records(judged_rows.verdict, rows)
+    producer = producers(rows, judged, identity)
     diff = list(settings.diff)
     # the same initial weights, which rounding alone may have parted by a first dumped step past 0
     # (or from one seed's weights, drawn by two hosts' CPUs: apart by rounding only)
     noisy_start = (same_initial_weights(diff, settings.manifest_a, settings.manifest_b) or host_cpus_differ(diff)) \
         and not computes_alike(diff, settings.manifest_a)
-    calls = call_table(rows, judged_rows.verdict, rounding, identity, producer, carried.first_step,
+    calls = call_table(rows, judged_rows.verdict, judged, rounding, identity, producer, carried.first_step,
                        carried.parameters, noisy_start)
     judgement = judge(calls, settings.fallback, exact=carried.exact, earlier=earlier)
     return _Stages(judged_rows.verdict, rounding, identity, producer, calls, judgement, noisy_start, carried)

@@ -60,18 +60,19 @@ def judged_records(verdict: np.ndarray, rows: Table) -> np.ndarray:
     return (verdict != "n/a") & (of_a_phase | (rows["role"] == "parameter_grad"))  # call_directions in PHASES
 
 
-def producers(rows: Table, verdict: np.ndarray, identity: np.ndarray) -> np.ndarray:
-    """Per record, the judged record that produced its tensor (a call's result, a parameter, the
-    batch: identity.produced), -1 where none did."""
-    return produced(rows, identity, isin(rows["role"], RESULT_ROLES) & judged_records(verdict, rows))
+def producers(rows: Table, judged: np.ndarray, identity: np.ndarray) -> np.ndarray:
+    """Per record, the judged record (`judged`: judged_records) that produced its tensor (a call's
+    result, a parameter, the batch: identity.produced), -1 where none did."""
+    return produced(rows, identity, isin(rows["role"], RESULT_ROLES) & judged)
 
 
-def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np.ndarray,
+def call_table(rows: Table, verdict: np.ndarray, judged: np.ndarray, rounding: np.ndarray, identity: np.ndarray,
                producer: np.ndarray, first_step: int | None = None, parameters_before: Table | None = None,
                noisy_start: bool = False) -> Table:
     """One row per judged call (CALL_COLUMNS), in order of step, seq_a and rank. `verdict`: each
-    record's verdict against its limits; `rounding`: records whose difference is rounding-level
-    noise (noise.py), which fail no call; `identity`: each record's tensor (identity.py);
+    record's verdict against its limits; `judged`: the records the table is made of
+    (`judged_records`); `rounding`: records whose difference is rounding-level noise (noise.py),
+    which fail no call; `identity`: each record's tensor (identity.py);
     `producer`: the record that produced each record's tensor (`producers`). Where steps before
     these rows' were judged apart: `first_step`, the first step of the comparison (else these
     rows' first); `parameters_before`, the latest calls of each parameter, its gradient and its
@@ -80,7 +81,7 @@ def call_table(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity:
     rounding: it stands for the updates before."""
     failing_rows = (verdict == "fail") & ~rounding
     channels = _row_channels(rows, rounding)
-    use = np.flatnonzero(judged_records(verdict, rows))
+    use = np.flatnonzero(judged)
     judged = rows.taken_when_read(use)  # about 20 of the rows' 50 columns are read
     groups = Groups(judged["rank"], judged["step"], call_directions(judged), judged["seq_a"].astype(np.int64))
     calls, results, of = _grouped_calls(judged, groups, channels, use, rounding[use], failing_rows[use])
