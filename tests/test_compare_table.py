@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pi0align.compare.table import Groups, KeyIndex, Table, gather, key_codes, lookup, outer_join
+from pi0align.compare.table import Groups, KeyIndex, Table, gather, isin, key_codes, lookup, mapped, outer_join
 
 TEXT = lambda *values: np.array(values, object)
 
@@ -92,3 +92,50 @@ def test_rows_taken_when_read_and_rows_between_are_the_rows_take_gives(length, d
     stop = data.draw(st.integers(start, length))
     between = table.between(start, stop)
     assert len(between) == stop - start and between["name"].tolist() == table["name"][start:stop].tolist()
+
+
+_WORDS = st.sampled_from(["", "input", "output", "grad_input", "Module.Linear", "torch.matmul"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_coded_column_gives_every_helper_the_answer_its_text_gives(data):
+    """Text columns with repeats and empty strings, coded once and then taken, sliced, taken when
+    read, selected, concatenated and gathered: each helper answers for the codes what it answers
+    for the text, and a column set again is coded anew."""
+    length = data.draw(st.integers(0, 10))
+    words = lambda n: TEXT(*data.draw(st.lists(_WORDS, min_size=n, max_size=n)))  # noqa: E731
+    table = Table({"role": words(length), "api": words(length), "step": np.arange(length) % 3})
+    for name in ("role", "api", "step"):
+        table.coded(name)
+    rows = np.array(data.draw(st.lists(st.integers(0, max(length - 1, 0)), max_size=length if length else 0)), np.int64)
+    start = data.draw(st.integers(0, length))
+    derived = [table.take(rows), table.taken_when_read(rows), table.between(start, length),
+               table.select(["api", "role"]), Table.concat([table, table.take(rows)]),
+               table.taken_when_read(rows).take(np.arange(len(rows)))]
+    for t in derived:
+        for name in ("role", "api"):
+            coded, text = t.coded(name), t[name]
+            assert coded.values.tolist() == text.tolist()
+            assert isin(coded, ("input", "")).tolist() == isin(text, ("input", "")).tolist()
+            assert mapped(coded, len, np.int64).tolist() == mapped(text, len, np.int64).tolist()
+        pair_codes, pair_text = key_codes(t.coded("role"), t.coded("api")), key_codes(t["role"], t["api"])
+        assert pair_codes[0].tolist() == pair_text[0].tolist() and pair_codes[1] == pair_text[1]
+        assert Groups(t.coded("api")).codes.tolist() == Groups(t["api"]).codes.tolist()
+        by_api = Groups(t.coded("api"))
+        assert by_api.max_text(t.coded("role")).tolist() == Groups(t["api"]).max_text(t["role"]).tolist()
+    query = Table({"role": words(data.draw(st.integers(0, 6)))})
+    for keys_of_query in ([query.coded("role")], [query["role"]]):
+        found = lookup(keys_of_query, [table.coded("role")])
+        assert found.tolist() == lookup([query["role"]], [table["role"]]).tolist()
+        joined_codes = outer_join(keys_of_query, [table.coded("role")])
+        joined_text = outer_join([query["role"]], [table["role"]])
+        assert all(x.tolist() == y.tolist() for x, y in zip(joined_codes, joined_text))
+    at = np.array(data.draw(st.lists(st.integers(-1, max(length - 1, 0)), max_size=6)), np.int64) if length else \
+        np.full(data.draw(st.integers(0, 3)), -1, np.int64)
+    assert table.coded("api").gathered(at, "").values.tolist() == gather(table["api"], at, "").tolist()
+    lazily = table.taken_when_read(rows)
+    lazily["api"] = TEXT(*["new"] * len(rows))  # set on the rows taken, not their source
+    assert lazily.coded("api").values.tolist() == ["new"] * len(rows)
+    table["role"] = TEXT(*["x"] * length)  # set again: its codes are the new column's
+    assert table.coded("role").values.tolist() == ["x"] * length

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from pi0align.compare.reading.msprobe_scan import ScannedStep, scanner
 from pi0align.compare.reading.read_msprobe import walked_step
+from pi0align.compare.table import Coded
 from pi0align.errors import UserError
 from pi0align.testing.dumpfactory import write_msprobe_dump
 
@@ -34,6 +35,8 @@ def reference(raw: bytes) -> ScannedStep | None:
 def assert_same(scanned: ScannedStep, expected: ScannedStep) -> None:
     for field in dataclasses.fields(ScannedStep):
         mine, theirs = getattr(scanned, field.name), getattr(expected, field.name)
+        if isinstance(theirs, Coded):
+            mine, theirs = mine.values, theirs.values
         if isinstance(theirs, np.ndarray):
             assert mine.shape == theirs.shape and mine.dtype == theirs.dtype, field.name
             same = np.array_equal(mine, theirs, equal_nan=True) if theirs.dtype.kind == "f" else \

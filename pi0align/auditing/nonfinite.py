@@ -70,7 +70,7 @@ def nonfinite_origins(dump: Dump) -> list[Culprit]:
     bad = nan | inf
     if not bad.any():
         return []
-    direction = call_directions(records)
+    direction = call_directions(records).values
     calls = Groups(records["rank"], records["step"], direction, records["call"])
     bad_in = calls.any(bad & isin(records["role"], INPUT_ROLES))
     bad_out = calls.any(bad & isin(records["role"], RESULT_ROLES))
@@ -131,7 +131,7 @@ def edge_values(dump: Dump) -> list[EdgeValue]:
         near = np.isfinite(largest) & (largest >= EDGE * limit)
     if not near.any():
         return []
-    direction = call_directions(records)
+    direction = call_directions(records).values
     calls = Groups(records["rank"], records["step"], direction, records["call"])
     inputs_near = calls.any(near & isin(records["role"], INPUT_ROLES))[calls.codes]
     new = near & isin(records["role"], RESULT_ROLES) & ~inputs_near

@@ -33,7 +33,7 @@ def calibrate(path_a1: str | Path, path_a2: str | Path, *, margin: float = CALIB
         raise UserError(f"calibration margin must be at least 1, got {margin}")
     rows = compare_dumps(path_a1, path_a2, steps=steps, thresholds=base).table()
     rows = rows.take(isin(rows["pairing"], COMPARABLE))
-    classes = looser_classes(rows["dtype_a"], rows["dtype_b"])
+    classes = looser_classes(rows["dtype_a"], rows["dtype_b"]).values
     thresholds = copy.deepcopy(base) if base is not None else load_thresholds()
     for cls in set(classes):
         seen = rows.take(classes == cls)

@@ -199,13 +199,15 @@ class Conclusion:
         self.notes.update(dict.fromkeys(notes))
 
     def _count_pairings(self, rows: Table) -> None:
-        pairing = rows["pairing"]
-        self.coverage["matched"] += int(isin(pairing, PAIRED).sum())
+        pairing = rows.coded("pairing")
+        counts = dict(zip(pairing.distinct.tolist(),
+                          np.bincount(pairing.codes, minlength=len(pairing.distinct)).tolist()))
+        self.coverage["matched"] += sum(counts.get(label, 0) for label in PAIRED)
         for label in PAIRINGS[1:]:
-            self.coverage[label] += int((pairing == label).sum())
+            self.coverage[label] += counts.get(label, 0)
         for side in "ab":
-            if side not in self.unpaired_example:
-                found = rows["name"][pairing == f"only_{side}"]
+            if side not in self.unpaired_example and counts.get(f"only_{side}"):
+                found = rows["name"][isin(pairing, (f"only_{side}",))]
                 if len(found):
                     self.unpaired_example[side] = found[0]
         self.ranks.update(np.unique(rows["rank"]).tolist())

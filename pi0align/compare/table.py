@@ -6,16 +6,55 @@ reduceat do the same joins and group-bys. A pandas DataFrame is made only when a
 (`to_pandas`, e.g. by `Comparison.rows`).
 
 Text columns are object arrays of str; integer columns that can be missing are float64 with NaN,
-named in `nullable_ints` (they become pandas `Int64` and are written as integers).
+named in `nullable_ints` (they become pandas `Int64` and are written as integers). A column is
+coded once where it is grouped or joined on (`Table.coded`, a `Coded`): its rows' codes follow it
+through `take`, `between` and `concat`, and the helpers below take a `Coded` where they take a
+column, so a text column is hashed row by row once per table, not once per group-by.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class Coded:
+    """A column as its distinct values, sorted (NaN last), and each row's position among them.
+    After a `take`, values no row holds may remain among `distinct`."""
+
+    distinct: np.ndarray
+    codes: np.ndarray
+
+    @staticmethod
+    def of(values: np.ndarray) -> Coded:
+        return Coded(*unique_values(values))
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    @property
+    def values(self) -> np.ndarray:
+        """The column itself."""
+        return self.distinct[self.codes] if len(self.distinct) else np.zeros(len(self.codes), self.distinct.dtype)
+
+    def take(self, rows: np.ndarray | slice) -> Coded:
+        return Coded(self.distinct, self.codes[rows])
+
+    def gathered(self, rows: np.ndarray, missing: Any) -> Coded:
+        """Its rows at `rows` and `missing` where a row is -1 (as `gather`)."""
+        with_missing = Coded.concat([self, Coded.of(np.array([missing], self.distinct.dtype))])
+        return with_missing.take(np.where(rows >= 0, rows, len(self)))
+
+    @staticmethod
+    def concat(parts: Sequence[Coded]) -> Coded:
+        """The rows of every part, in order, over the distinct values of all."""
+        distinct, _ = unique_values(np.concatenate([part.distinct for part in parts]))
+        return Coded(distinct, np.concatenate([_positions(distinct, part.distinct)[0][part.codes] for part in parts]))
 
 
 class Table:
@@ -24,6 +63,7 @@ class Table:
     def __init__(self, columns: dict[str, Any] | None = None, *, length: int | None = None,
                  nullable_ints: Iterable[str] = ()):
         self._columns: dict[str, np.ndarray] = {}
+        self._coded: dict[str, Coded] = {}
         self._length = length
         self.nullable_ints = set(nullable_ints)
         for name, values in (columns or {}).items():
@@ -39,7 +79,12 @@ class Table:
         return self._columns[name]
 
     def __setitem__(self, name: str, values: Any) -> None:
-        """An array of this table's length, or one value for every row."""
+        """An array of this table's length, a Coded one, or one value for every row."""
+        self._coded.pop(name, None)
+        if isinstance(values, Coded):
+            self[name] = values.values
+            self._coded[name] = values
+            return
         if np.ndim(values) == 0:
             if self._length is None:
                 raise ValueError(f"column {name!r}: a single value needs a table of known length")
@@ -56,17 +101,26 @@ class Table:
     def columns(self) -> list[str]:
         return list(self._columns)
 
+    def coded(self, name: str) -> Coded:
+        """Column `name` coded, once per table (the codes follow its rows into tables taken from it).
+        The column must not be changed in place after."""
+        if name not in self._coded:
+            self._coded[name] = Coded.of(self[name])
+        return self._coded[name]
+
     def take(self, rows: np.ndarray) -> Table:
         """The rows at these positions, or where this mask is true."""
         rows = np.asarray(rows)
         length = int(rows.sum()) if rows.dtype == bool else len(rows)
-        return Table({name: self[name][rows] for name in self.columns}, length=length,
-                     nullable_ints=self.nullable_ints)
+        return self._taken(rows, length)
 
     def between(self, start: int, stop: int) -> Table:
         """Rows start to stop (exclusive), their columns views of this table's."""
-        return Table({name: self[name][start:stop] for name in self.columns}, length=stop - start,
-                     nullable_ints=self.nullable_ints)
+        return self._taken(slice(start, stop), stop - start)
+
+    def _taken(self, rows: np.ndarray | slice, length: int) -> Table:
+        return Table({name: self._coded[name].take(rows) if name in self._coded else self[name][rows]
+                      for name in self.columns}, length=length, nullable_ints=self.nullable_ints)
 
     def taken_when_read(self, rows: np.ndarray) -> Table:
         """`take(rows)`, each column taken when first read (TakenRows): for a table read through a
@@ -75,8 +129,10 @@ class Table:
 
     def select(self, names: Sequence[str]) -> Table:
         """These columns, in this order."""
-        return Table({name: self[name] for name in names}, length=len(self),
-                     nullable_ints=self.nullable_ints & set(names))
+        selected = Table({name: self[name] for name in names}, length=len(self),
+                         nullable_ints=self.nullable_ints & set(names))
+        selected._coded = {name: self._coded[name] for name in names if name in self._coded}
+        return selected
 
     @staticmethod
     def concat(tables: Sequence[Table]) -> Table:
@@ -85,8 +141,9 @@ class Table:
         first = tables[0]
         if len(tables) == 1:
             return first
-        return Table({name: np.concatenate([t[name] for t in tables]) for name in first.columns},
-                     length=sum(len(t) for t in tables), nullable_ints=first.nullable_ints)
+        return Table({name: Coded.concat([t.coded(name) for t in tables])
+                      if any(name in t._coded for t in tables) else np.concatenate([t[name] for t in tables])
+                      for name in first.columns}, length=sum(len(t) for t in tables), nullable_ints=first.nullable_ints)
 
     def to_pandas(self):
         """A pandas DataFrame of the same columns (pandas is imported here, and only here)."""
@@ -134,23 +191,37 @@ class TakenRows(Table):
         super().__init__(length=int(rows.sum()) if rows.dtype == bool else len(rows),
                          nullable_ints=source.nullable_ints)
         self._source, self._rows = source, rows
+        self._set_here: set[str] = set()  # columns set on this table, not its source's
+
+    def __setitem__(self, name: str, values: Any) -> None:
+        self._set_here.add(name)
+        super().__setitem__(name, values)
 
     def __contains__(self, name: object) -> bool:
         return name in self._columns or name in self._source
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._columns:
-            self._columns[name] = self._source[name][self._rows]
+            self._columns[name] = self.coded(name).values if name in self._source._coded else \
+                self._source[name][self._rows]
         return self._columns[name]
+
+    def coded(self, name: str) -> Coded:
+        if name not in self._coded and name not in self._set_here:  # the source's codes, taken
+            self._coded[name] = self._source.coded(name).take(self._rows)
+        return super().coded(name)
 
     @property
     def columns(self) -> list[str]:
         return [*self._source.columns, *(name for name in self._columns if name not in self._source)]
 
 
-def mapped(values: np.ndarray, function: Callable[[Any], Any], dtype: Any = object) -> np.ndarray:
+def mapped(values: np.ndarray | Coded, function: Callable[[Any], Any], dtype: Any = object) -> np.ndarray:
     """function(value) of each value, called once per distinct value: text columns repeat a few
     values over many rows."""
+    if isinstance(values, Coded):
+        return mapped(values.distinct, function, dtype)[values.codes] if len(values.distinct) else \
+            np.zeros(len(values), dtype)
     items = np.atleast_1d(values).tolist()
     of = {value: function(value) for value in dict.fromkeys(items)}
     if dtype is object:
@@ -158,8 +229,10 @@ def mapped(values: np.ndarray, function: Callable[[Any], Any], dtype: Any = obje
     return np.fromiter(map(of.__getitem__, items), dtype, len(items))
 
 
-def isin(values: np.ndarray, choices: Iterable[Any]) -> np.ndarray:
+def isin(values: np.ndarray | Coded, choices: Iterable[Any]) -> np.ndarray:
     """Mask of the values equal to one of `choices` (a few), for text columns too."""
+    if isinstance(values, Coded):
+        return isin(values.distinct, choices)[values.codes] if len(values.distinct) else np.zeros(len(values), bool)
     mask = np.zeros(len(values), bool)
     for choice in choices:
         mask |= values == choice
@@ -169,7 +242,7 @@ def isin(values: np.ndarray, choices: Iterable[Any]) -> np.ndarray:
 _MAX_CODES = 2**62
 
 
-def key_codes(*keys: np.ndarray) -> tuple[np.ndarray, int]:
+def key_codes(*keys: np.ndarray | Coded) -> tuple[np.ndarray, int]:
     """One code per row for its tuple of keys, equal codes for equal tuples, numbered in the
     tuples' sorted order (NaN last, NaNs equal to each other); and the number of codes."""
     codes, count = np.zeros(len(keys[0]) if keys else 0, np.int64), 1
@@ -181,8 +254,11 @@ def key_codes(*keys: np.ndarray) -> tuple[np.ndarray, int]:
     return _compress(codes)
 
 
-def unique_values(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """np.unique(values, return_inverse=True): the distinct values sorted, and each value's position."""
+def unique_values(values: np.ndarray | Coded) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(values, return_inverse=True): the distinct values sorted, and each value's position
+    (of a Coded column, its own, which may hold values no row has)."""
+    if isinstance(values, Coded):
+        return values.distinct, values.codes
     if values.dtype != object:
         distinct, inverse = np.unique(values, return_inverse=True)
         return distinct, inverse.reshape(-1)
@@ -201,7 +277,7 @@ def _compress(codes: np.ndarray) -> tuple[np.ndarray, int]:
 class Groups:
     """Rows grouped by equal keys; groups numbered in the order of their first row."""
 
-    def __init__(self, *keys: np.ndarray):
+    def __init__(self, *keys: np.ndarray | Coded):
         codes, count = key_codes(*keys)
         _, first = np.unique(codes, return_index=True)  # the first row of each code
         group_of_code = np.empty(count, np.int64)
@@ -245,10 +321,10 @@ class Groups:
             return np.zeros(0, bool)
         return np.logical_or.reduceat(values[self.order], self.starts)
 
-    def max_text(self, values: np.ndarray) -> np.ndarray:
+    def max_text(self, values: np.ndarray | Coded) -> np.ndarray:
         """Greatest string of each group (in Python's order)."""
         distinct, codes = unique_values(values)
-        return distinct[self.max(codes)] if len(self) else values[:0]
+        return distinct[self.max(codes)] if len(self) else distinct[:0]
 
 
 def gather(values: np.ndarray, rows: np.ndarray, missing: Any) -> np.ndarray:
@@ -258,7 +334,7 @@ def gather(values: np.ndarray, rows: np.ndarray, missing: Any) -> np.ndarray:
     return np.where(present, taken, missing)
 
 
-def lookup(keys: Sequence[np.ndarray], table_keys: Sequence[np.ndarray]) -> np.ndarray:
+def lookup(keys: Sequence[np.ndarray | Coded], table_keys: Sequence[np.ndarray | Coded]) -> np.ndarray:
     """For each row of `keys`, the position of the row of `table_keys` with the same values
     (the first, when several have them), -1 where none has."""
     return KeyIndex(table_keys).rows(keys)
@@ -269,7 +345,7 @@ class KeyIndex:
     distinct values and the distinct codes of the keys up to it; a row's code at each key is its
     position among them (NaNs equal to each other)."""
 
-    def __init__(self, table_keys: Sequence[np.ndarray]):
+    def __init__(self, table_keys: Sequence[np.ndarray | Coded]):
         self._stages: list[tuple[np.ndarray, np.ndarray]] = []
         codes = np.zeros(len(table_keys[0]), np.int64)
         for key in table_keys:
@@ -278,18 +354,22 @@ class KeyIndex:
             self._stages.append((distinct, combined))
         self._first = np.unique(codes.reshape(-1), return_index=True)[1]  # each code's first row
 
-    def rows(self, keys: Sequence[np.ndarray]) -> np.ndarray:
+    def rows(self, keys: Sequence[np.ndarray | Coded]) -> np.ndarray:
         """For each row of `keys`, the first table row with the same values, -1 where none has."""
         codes, found = np.zeros(len(keys[0]), np.int64), np.ones(len(keys[0]), bool)
         for key, (distinct, combined) in zip(keys, self._stages):
-            value_codes, present = _positions(distinct, np.asarray(key))
+            value_codes, present = _positions(distinct, key)
             codes, known = _positions(combined, codes * len(distinct) + value_codes)
             found &= present & known
         return np.where(found, self._first[np.where(found, codes, 0)] if len(self._first) else -1, -1)
 
 
-def _positions(sorted_distinct: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _positions(sorted_distinct: np.ndarray, values: np.ndarray | Coded) -> tuple[np.ndarray, np.ndarray]:
     """Each value's position among `sorted_distinct` (0 where absent), and whether it is there."""
+    if isinstance(values, Coded):
+        at, present = _positions(sorted_distinct, values.distinct)
+        return at[values.codes], present[values.codes]
+    values = np.asarray(values)
     if not len(sorted_distinct):
         return np.zeros(len(values), np.int64), np.zeros(len(values), bool)
     if sorted_distinct.dtype == object or values.dtype == object:
@@ -304,11 +384,12 @@ def _positions(sorted_distinct: np.ndarray, values: np.ndarray) -> tuple[np.ndar
     return at, present
 
 
-def outer_join(keys_a: Sequence[np.ndarray], keys_b: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def outer_join(keys_a: Sequence[np.ndarray | Coded], keys_b: Sequence[np.ndarray | Coded]
+               ) -> tuple[np.ndarray, np.ndarray]:
     """Rows (ia, ib) of a full outer join on equal keys, -1 on the side without a partner; in the
     keys' sorted order, rows of equal keys in their order in a, then b (as pandas merges)."""
     n = len(keys_a[0])
-    codes, count = key_codes(*(np.concatenate([a, b]) for a, b in zip(keys_a, keys_b)))
+    codes, count = key_codes(*(concatenated(a, b) for a, b in zip(keys_a, keys_b)))
     codes_a, codes_b = codes[:n], codes[n:]
     count_a, count_b = np.bincount(codes_a, minlength=count), np.bincount(codes_b, minlength=count)
     both = (count_a > 0) & (count_b > 0)
@@ -319,6 +400,13 @@ def outer_join(keys_a: Sequence[np.ndarray], keys_b: Sequence[np.ndarray]) -> tu
     ia = _rows_of(codes_a, count_a, key, np.where(both[key], k // width_b, k))
     ib = _rows_of(codes_b, count_b, key, np.where(both[key], k % width_b, k))
     return ia, ib
+
+
+def concatenated(a: np.ndarray | Coded, b: np.ndarray | Coded) -> np.ndarray | Coded:
+    """The rows of a, then b: coded where both are."""
+    if isinstance(a, Coded) and isinstance(b, Coded):
+        return Coded.concat([a, b])
+    return np.concatenate([a.values if isinstance(a, Coded) else a, b.values if isinstance(b, Coded) else b])
 
 
 def _rows_of(codes: np.ndarray, counts: np.ndarray, key: np.ndarray, k: np.ndarray) -> np.ndarray:

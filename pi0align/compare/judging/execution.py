@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from pi0align.compare.reading.records import DIRECTIONS, function_names
-from pi0align.compare.table import Table, isin, mapped
+from pi0align.compare.table import Coded, Table, isin, mapped
 from pi0align.dump.file_format import RANDOM_FUNCTIONS
 
 # kind of culprit by the direction of its call ("parameter": initial_weights or parameters)
@@ -21,9 +21,13 @@ KIND_OF_DIRECTION = {"forward": "call", "backward": "call", "update": "call", "i
 PHASES = DIRECTIONS  # a step's parts in execution order
 
 
-def call_directions(rows: Table) -> np.ndarray:
+def call_directions(rows: Table) -> Coded:
     """The direction of the call each record belongs to: a parameter's gradient is a call of its own."""
-    return np.where(rows["role"] == "parameter_grad", "gradient", rows["direction"]).astype(object)
+    role, direction = rows.coded("role"), rows.coded("direction")
+    distinct = np.array(sorted({*direction.distinct.tolist(), "gradient"}), object)
+    gradient = int(np.searchsorted(distinct, "gradient"))
+    own = np.searchsorted(distinct, direction.distinct)[direction.codes] if len(direction.distinct) else direction.codes
+    return Coded(distinct, np.where(isin(role, ("parameter_grad",)), gradient, own))
 
 
 def phases(directions: np.ndarray) -> np.ndarray:
@@ -35,7 +39,7 @@ def phases(directions: np.ndarray) -> np.ndarray:
 
 def execution_order(calls: Table) -> np.ndarray:
     """The calls in execution order: by step, the step's phase, then sequence."""
-    return np.lexsort((calls["seq_a"], phases(calls["direction"]), calls["step"]))
+    return np.lexsort((calls["seq_a"], phases(calls.coded("direction")), calls["step"]))
 
 
 def kinds(calls: Table, first_step: int) -> np.ndarray:
@@ -44,8 +48,9 @@ def kinds(calls: Table, first_step: int) -> np.ndarray:
     was not recorded stands for that update (`optimizer`); a random draw (RANDOM_FUNCTIONS) is
     data: judged as any call (two hosts' kernels round its transform otherwise), one beyond that
     rounding was drawn from another generator state."""
-    kind = np.array([KIND_OF_DIRECTION.get(d, "parameters") for d in calls["direction"].tolist()], dtype=object)
-    kind[(kind == "call") & isin(function_names(calls["api"]), RANDOM_FUNCTIONS)] = "data"
+    kind = mapped(calls.coded("direction"), lambda direction: KIND_OF_DIRECTION.get(direction, "parameters"))
+    api = calls.coded("api")
+    kind[(kind == "call") & isin(function_names(api.distinct), RANDOM_FUNCTIONS)[api.codes]] = "data"
     kind[(kind == "parameters") & (calls["step"] == 0) & (first_step == 0)] = "initial_weights"
     kind[(calls["direction"] == "parameter") & (calls["previous_step"] >= 0)] = "optimizer"
     return kind

@@ -104,7 +104,7 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
 
     settle(rounding, "rounding")
     within = gather(judgement.within, call, "").astype(object)
-    result = isin(rows["role"], (*RESULT_ROLES, "parameter_grad"))
+    result = isin(rows.coded("role"), (*RESULT_ROLES, "parameter_grad"))
     settle(result & (call >= 0) & (within != "") & (within != "unsourced"), within)
 
     def fine() -> np.ndarray:  # rows that do not fail, or are explained by now
@@ -123,7 +123,7 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
     final[failing & labelled & (labels != "limits")] = "warn"
     # a culprit found by exact evidence fails its differing outputs: a change its statistics may not see
     exact = gather(judgement.culprit & (judgement.evidence == "exact"), call, False).astype(bool)
-    final[exact & isin(rows["role"], OUTPUT_ROLES) & ~rows["identical"].astype(bool)] = "fail"
+    final[exact & isin(rows.coded("role"), OUTPUT_ROLES) & ~rows["identical"].astype(bool)] = "fail"
     return Explanation(verdict=final, explained_by=labels)
 
 
@@ -131,7 +131,7 @@ def calls_of(rows: Table, calls: Table) -> np.ndarray:
     """Each row's call (its row in `calls`), -1 where it has none."""
     keys = ("rank", "step")
     return lookup([*(rows[k] for k in keys), call_directions(rows), rows["seq_a"].astype(np.float64)],
-                  [*(calls[k] for k in keys), calls["direction"], calls["seq_a"].astype(np.float64)])
+                  [*(calls[k] for k in keys), calls.coded("direction"), calls["seq_a"].astype(np.float64)])
 
 
 def _before_first(rows: Table, calls: Table, judgement: Judgement, earlier: Sequence[Position]) -> np.ndarray:
@@ -143,7 +143,7 @@ def _before_first(rows: Table, calls: Table, judgement: Judgement, earlier: Sequ
 
 
 def _floors(rows: Table) -> np.ndarray:
-    return noise_floor(class_roundoffs(rows["dtype_class"]))
+    return noise_floor(class_roundoffs(rows.coded("dtype_class")))
 
 
 def _gradient_sums_within(rows: Table, identity: np.ndarray, error: np.ndarray, sources: np.ndarray,
@@ -342,7 +342,7 @@ def _undumped_gradients_within(rows: Table, identity: np.ndarray, sources: np.nd
         return explained
     summed, extremes, spread = statistic_channels(rows)
     summed_sources = at_least(summed, precision_floors(rows))
-    units = class_roundoffs(rows["dtype_class"])
+    units = class_roundoffs(rows.coded("dtype_class"))
     half, floors = half_precision(units), noise_floor(units)
     for g, read in zip(candidates.tolist(), _read_by_code_not_dumped(rows, identity, output, candidates)):
         if not fine[read].all():
@@ -362,7 +362,7 @@ def _read_by_code_not_dumped(rows: Table, identity: np.ndarray, output: np.ndarr
     LayerNorm module returns its layer_norm's output; no module where the whole model returned it);
     and the gradients that the dumped backward calls right inside that module sent back into it
     before, none of a module around the call (made after it), never the gradient itself."""
-    module_row = is_module_api(rows["api"])
+    module_row = is_module_api(rows.coded("api"))
     seq = rows["seq_a"].astype(np.float64)
     backward = rows["direction"] == "backward"
     # by rank, step and module: the gradients sent back into it (by an API call in it, or a module

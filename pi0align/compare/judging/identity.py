@@ -14,7 +14,7 @@ import numpy as np
 from pi0align.compare.judging.modules import is_module_api, within
 from pi0align.compare.reading.records import OUTPUT_ROLES, function_names
 from pi0align.compare.result import COMPARABLE
-from pi0align.compare.table import Table, isin, key_codes, lookup
+from pi0align.compare.table import Coded, Table, isin, key_codes, lookup
 
 RESULT_ROLES = (*OUTPUT_ROLES, "parameter")  # what a call, a parameter or the batch hands on
 _FINGERPRINT = ("min", "max", "mean", "norm")
@@ -29,17 +29,17 @@ def tensor_identities(rows: Table) -> np.ndarray:
     rank and step); -1 where that cannot be told (a record on one side only, no checksum and no
     statistics)."""
     n = len(rows)
-    paired = isin(rows["pairing"], COMPARABLE)
+    paired = isin(rows.coded("pairing"), COMPARABLE)
     checksum_a, checksum_b = (_through_one_sided_copies(rows, side) for side in "ab")
     by_checksum = paired & (checksum_a != -1) & (checksum_b != -1)
     stats = np.column_stack([rows[f"{s}_{side}"].astype(np.float64) for s in _FINGERPRINT for side in "ab"])
     by_statistics = paired & ~by_checksum & np.isfinite(stats).all(axis=1)
     identity = np.full(n, -1, np.int64)
-    common = (rows["rank"], rows["step"], rows["shape_a"], rows["dtype_a"])
+    common = (rows["rank"], rows["step"], rows.coded("shape_a"), rows.coded("dtype_a"))
     offset = 0
     for mask, keys in ((by_checksum, (checksum_a, checksum_b)), (by_statistics, tuple(stats.T))):
         if mask.any():
-            codes, count = key_codes(*(np.asarray(k)[mask] for k in (*common, *keys)))
+            codes, count = key_codes(*(k.take(mask) if isinstance(k, Coded) else k[mask] for k in (*common, *keys)))
             identity[mask] = codes + offset
             offset += count
     return identity
@@ -215,7 +215,7 @@ def _sum_bounds(rows: Table, tensor: np.ndarray, codes: np.ndarray, weighted: np
 def _innermost_readers(rows: Table, identity: np.ndarray, readers: np.ndarray) -> np.ndarray:
     """Mask over `readers` (forward input rows): of the readers of each tensor, the API calls, or,
     where only modules read it, those of the deepest module path."""
-    module = is_module_api(rows["api"][readers])
+    module = is_module_api(rows.coded("api").take(readers))
     depth = np.where(module, np.array([str(m).count(".") + bool(m) for m in rows["module"][readers].tolist()]), 1 << 20)
     codes, inverse = np.unique(identity[readers], return_inverse=True)
     deepest = np.full(len(codes), -1, np.int64)

@@ -45,7 +45,7 @@ from pi0align.compare.judging.execution import PHASES, phases
 from pi0align.compare.judging.modules import enclosing_modules, innermost, is_module, is_module_api
 from pi0align.compare.judging.verdict import checksums_known
 from pi0align.compare.result import SAME_SHAPE_AND_DTYPE
-from pi0align.compare.table import Groups, Table, isin
+from pi0align.compare.table import Coded, Groups, Table, isin
 
 NOISE_MODELS = ("replay", "exact", "reference", "intrinsic")
 # where a call ran: (rank, step, phase of the step (execution.PHASES), sequence number)
@@ -192,7 +192,7 @@ def judged_as_calls(calls: Table) -> np.ndarray:
     arithmetic where a dump records it op by op, msprobe's calls inside `optimizer.step()`, makes
     its update: kind `optimizer`; a random draw is data), and not what was recorded whole (the
     parameters, their gradients, the batch, our `Optimizer.step` records)."""
-    return isin(calls["direction"], CALL_DIRECTIONS)
+    return isin(calls.coded("direction"), CALL_DIRECTIONS)
 
 
 def computes_alike(diff: list, manifest: dict) -> bool:
@@ -211,8 +211,8 @@ def bit_comparable(rows: Table, identical: np.ndarray, diff: list, manifest: dic
     is handed and returns the same bits on both sides. `manifest`: A's."""
     if not computes_alike(diff, manifest):
         return False
-    known = checksums_known(rows) & (rows["direction"] == "forward") & isin(rows["pairing"], SAME_SHAPE_AND_DTYPE)
-    module_call = is_module_api(rows["api"])
+    known = checksums_known(rows) & (rows["direction"] == "forward") & isin(rows.coded("pairing"), SAME_SHAPE_AND_DTYPE)
+    module_call = is_module_api(rows.coded("api"))
     first = known & ~module_call  # a module's output comes at its end
     if not first.any():
         paths = rows["module"]
@@ -246,13 +246,14 @@ def stands_out(calls: Table) -> np.ndarray:
     calls of the same API and direction under other names (the same call at another step is no
     peer: a faulty kernel is faulty at every step); every call with fewer than MIN_PEERS peers."""
     introduced = calls["introduced_error"].astype(np.float64)
-    typical, peers = peer_medians(introduced, Groups(calls["api"], calls["direction"]).codes, calls["name"])
+    typical, peers = peer_medians(introduced, Groups(calls.coded("api"), calls.coded("direction")).codes,
+                                  calls.coded("name"))
     standout = np.where(calls["metric"] == "rel_l2_err", STANDOUT["rel_l2_err"], STANDOUT["stats_rel_err"])
     with np.errstate(invalid="ignore"):
         return (peers < MIN_PEERS) | (introduced >= standout * typical)
 
 
-def peer_medians(values: np.ndarray, family: np.ndarray, names: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def peer_medians(values: np.ndarray, family: np.ndarray, names: np.ndarray | Coded) -> tuple[np.ndarray, np.ndarray]:
     """Per row, the median of the values of the rows of its family (`family`: a group code per row)
     under other names (np.nanmedian of them: NaN is no value, NaN where none is left), and how
     many such rows there are. The family's values are sorted once; a name's own values are taken
@@ -311,7 +312,7 @@ def beyond_at_every_step(calls: Table, beyond: np.ndarray) -> np.ndarray:
     runs. bf16 statistics under ulp noise, two toy models, six draws each: no call of the noise
     alone is beyond at both steps, and the faulty call (a gelu, a softmax 3 % off) is in every
     draw, where its peers hid it in two of twelve (docs/compare.md, "Bounds")."""
-    name = Groups(calls["rank"], calls["name"], calls["direction"])
+    name = Groups(calls["rank"], calls.coded("name"), calls.coded("direction"))
     every = name.min(beyond.astype(np.float64)) == 1.0
     return (every & (name.count() >= MIN_STEPS_BEYOND))[name.codes]
 
@@ -319,7 +320,7 @@ def beyond_at_every_step(calls: Table, beyond: np.ndarray) -> np.ndarray:
 def after_first(calls: Table, selected: np.ndarray, earlier: Sequence[Position] = ()) -> np.ndarray:
     """Calls downstream of the first selected call (`downstream`, that call itself not)."""
 
-    return downstream(calls["rank"], calls["step"], phases(calls["direction"]), calls["seq_a"], calls, selected,
+    return downstream(calls["rank"], calls["step"], phases(calls.coded("direction")), calls["seq_a"], calls, selected,
                       earlier=earlier)
 
 
@@ -330,7 +331,7 @@ SHARED_PHASES = ("update", "in_optimizer", "optimizer")
 def first_positions(calls: Table, selected: np.ndarray) -> list[Position]:
     """The first selected call of each rank, in execution order, as a Position."""
 
-    call_phase = phases(calls["direction"])
+    call_phase = phases(calls.coded("direction"))
     firsts = []
     for own in np.unique(calls["rank"][selected]).tolist():
         mine = selected & (calls["rank"] == own)
@@ -381,13 +382,13 @@ def family_off(calls: Table) -> np.ndarray:
     inputs (TF32 keeps 10 mantissa bits: ~1e-4 to 1e-3 where fp32 rounding gives 1e-7), every
     layer_norm of a bf16 run 3 % off. In half precision the bound's floor (3 u) is already the
     dtype's rounding."""
-    family = Groups(calls["api"], calls["direction"])
+    family = Groups(calls.coded("api"), calls.coded("direction"))
     unit = np.maximum(calls["unit_a"], calls["unit_b"]).astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         in_units = calls["output_error"].astype(np.float64) / np.where(unit > 0, unit, np.nan)
     far_units = np.where(half_precision(unit), 0.0, FAMILY_UNITS)
     adds = family.median(calls["introduced_error"].astype(np.float64)) > MARGIN
     far = family.median(in_units) >= family.max(far_units)
-    names = Groups(calls["api"], calls["direction"], calls["name"])
+    names = Groups(calls.coded("api"), calls.coded("direction"), calls.coded("name"))
     several = family.max(np.bincount(family.codes[names.first], minlength=len(family))[family.codes]) >= MIN_PEERS
     return (adds & far & several)[family.codes]

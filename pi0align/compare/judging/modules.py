@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from pi0align.compare.table import Table, unique_values
+from pi0align.compare.table import Coded, Table, unique_values
 
 
 def is_module(calls: Table) -> np.ndarray:
-    return is_module_api(calls["api"])
+    return is_module_api(calls.coded("api"))
 
 
-def is_module_api(apis: np.ndarray) -> np.ndarray:
+def is_module_api(apis: np.ndarray | Coded) -> np.ndarray:
     """Which API names are modules' (`Module.<Class>`): decided once per distinct name (a text
     column as a fixed-width str array, which np.char needs, costs its longest name on every row)."""
     distinct, inverse = unique_values(apis)

@@ -40,7 +40,7 @@ def rounding_level(rows: Table, verdict: np.ndarray) -> np.ndarray:
     for mask, context in ((backward, rows["seq_a"]), (parameter_grad, rows["module"])):
         groups = Groups(rank[mask], step[mask], context[mask])
         reference[mask] = groups.max(np.where(np.isnan(norm_a[mask]), 0.0, norm_a[mask]))[groups.codes]
-    floor = rounding_share(rows["dtype_class"]) * reference
+    floor = rounding_share(rows.coded("dtype_class")) * reference
     with np.errstate(invalid="ignore"):
         tiny = (norm_a < floor) & (rows["norm_b"].astype(np.float64) < floor)
     return tiny & (backward | parameter_grad) & (role != "grad_output") & (verdict == "fail")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pi0align.compare.table import mapped
+from pi0align.compare.table import Coded, key_codes, mapped
 from pi0align.errors import UserError
 
 # Error metrics judged against a limit (everything in metrics.py except the informative ones:
@@ -71,11 +71,16 @@ def looser(dtype_a: str, dtype_b: str) -> str:
     return max((dtype_class(dtype_a), dtype_class(dtype_b)), key=UNIT_ROUNDOFF.__getitem__)
 
 
-def looser_classes(dtypes_a, dtypes_b) -> np.ndarray:
-    """looser() for two columns of dtypes at once ("" where either side has no dtype)."""
-    a, b = np.asarray(dtypes_a, object), np.asarray(dtypes_b, object)
-    table = {pair: looser(*pair) if pair[0] and pair[1] else "" for pair in set(zip(a.tolist(), b.tolist()))}
-    return np.array([table[pair] for pair in zip(a.tolist(), b.tolist())], dtype=object)
+def looser_classes(dtypes_a: np.ndarray | Coded, dtypes_b: np.ndarray | Coded) -> Coded:
+    """looser() for two columns of dtypes at once ("" where either side has no dtype), coded:
+    looser() called once per distinct pair."""
+    pair, count = key_codes(dtypes_a, dtypes_b)
+    row_of_pair = np.zeros(count, np.int64)
+    row_of_pair[pair] = np.arange(len(pair))  # a row of each pair
+    a, b = (column.take(row_of_pair).values if isinstance(column, Coded) else np.asarray(column, object)[row_of_pair]
+            for column in (dtypes_a, dtypes_b))
+    classes = Coded.of(np.array([looser(x, y) if x and y else "" for x, y in zip(a.tolist(), b.tolist())], object))
+    return classes.take(pair)
 
 
 def unit_roundoffs(dtypes) -> np.ndarray:

@@ -114,7 +114,7 @@ def _stages(rows: Table, reference: Table | None, settings: Settings, carried: C
             earlier: Sequence[Position]) -> _Stages:
     """The rows against their limits, the call table and the judgement of each call; the
     comparison's first step and whether the runs are bit-comparable from the first window."""
-    rows["dtype_class"] = looser_classes(rows["dtype_a"], rows["dtype_b"])  # read by every stage
+    rows["dtype_class"] = looser_classes(rows.coded("dtype_a"), rows.coded("dtype_b"))  # read by every stage
     judged_rows = judge_rows(rows, settings.thresholds, reference)
     rounding = rounding_level(rows, judged_rows.verdict)
     rows["identical"] = judged_rows.identical
@@ -140,6 +140,6 @@ def _stages(rows: Table, reference: Table | None, settings: Settings, carried: C
 def _introduced_per_row(rows: Table, calls: Table) -> np.ndarray:
     """The call's introduced error on its output rows, NaN elsewhere."""
     keys = ("rank", "step", "direction")
-    call = lookup([*(rows[k] for k in keys), rows["seq_a"]],
-                  [*(calls[k] for k in keys), calls["seq_a"].astype(np.float64)])
-    return np.where(isin(rows["role"], OUTPUT_ROLES), gather(calls["introduced_error"], call, np.nan), np.nan)
+    call = lookup([*(rows.coded(k) for k in keys), rows["seq_a"]],
+                  [*(calls.coded(k) for k in keys), calls["seq_a"].astype(np.float64)])
+    return np.where(isin(rows.coded("role"), OUTPUT_ROLES), gather(calls["introduced_error"], call, np.nan), np.nan)

@@ -19,10 +19,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pi0align.compare.table import Groups, Table, gather, key_codes, lookup, outer_join
+from pi0align.compare.table import Groups, Table, concatenated, gather, key_codes, lookup, outer_join
 
 _MAX_RUN_DP = 1_000_000  # cells; larger runs pair in order instead of by closeness
 _MAX_EDITS = 2000  # beyond this many insertions + deletions in one module, difflib takes over
+_CODED = ("module", "api", "direction")  # the records' columns of few distinct values (table.Coded)
 
 
 def pair_records(a: Table, b: Table) -> Table:
@@ -30,7 +31,7 @@ def pair_records(a: Table, b: Table) -> Table:
     (calls_a, norms_a), (calls_b, norms_b) = _calls(a), _calls(b)
     n = len(calls_a)
     for column in ("token", "api"):
-        codes, _ = key_codes(np.concatenate([calls_a[column], calls_b[column]]))
+        codes, _ = key_codes(concatenated(calls_a.coded(column), calls_b.coded(column)))
         calls_a[f"{column}_code"], calls_b[f"{column}_code"] = codes[:n], codes[n:]
     call_pairs = _pair_calls(calls_a, calls_b, norms_a, norms_b)
 
@@ -39,8 +40,8 @@ def pair_records(a: Table, b: Table) -> Table:
     pair_of = lookup([steps_a, a["call"].astype(np.int64)], [call_pairs["step"], call_pairs["call_a"]])
     call_b = gather(call_pairs["call_b"], pair_of, -1)
     label = gather(call_pairs["label"], pair_of, "").astype(object)
-    ia, ib = outer_join([steps_a, call_b, a["role"], a["arg_index"].astype(np.int64)],
-                       [steps_b, b["call"].astype(np.int64), b["role"], b["arg_index"].astype(np.int64)])
+    ia, ib = outer_join([steps_a, call_b, a.coded("role"), a["arg_index"].astype(np.int64)],
+                       [steps_b, b["call"].astype(np.int64), b.coded("role"), b["arg_index"].astype(np.int64)])
     pairing = gather(label, ia, "").astype(object)
     pairing[ib < 0] = "only_a"
     pairing[ia < 0] = "only_b"
@@ -57,15 +58,15 @@ def _calls(records: Table) -> tuple[Table, np.ndarray]:
     token, and norm_start/norm_end: where its records' norms are in the array returned with it
     (the tie-break between equal calls)."""
     step, call = records["step"].astype(np.int64), records["call"].astype(np.int64)
-    role_codes, _ = key_codes(records["role"])
+    role_codes = records.coded("role").codes
     ordered = np.lexsort((records["arg_index"].astype(np.int64), role_codes, call, step))
     step, call = step[ordered], call[ordered]
     starts = np.flatnonzero(np.r_[True, (step[1:] != step[:-1]) | (call[1:] != call[:-1])]) if len(step) else \
         np.array([], np.int64)
     parts = records["role"][ordered] + ":" + records["shape"][ordered] + ":" + records["dtype"][ordered] + "|"
     first = ordered[starts]
-    calls = Table({c: records[c][first] for c in ("step", "call", "seq", "name", "module", "api", "direction")},
-                  length=len(starts))
+    calls = Table({c: records.coded(c).take(first) if c in _CODED else records[c][first]
+                   for c in ("step", "call", "seq", "name", "module", "api", "direction")}, length=len(starts))
     signature = np.add.reduceat(parts, starts) if len(starts) else np.array([], object)
     calls["token"] = calls["api"].astype(object) + "|" + signature
     calls["norm_start"], calls["norm_end"] = starts, np.r_[starts[1:], len(step)] if len(starts) else starts
@@ -78,7 +79,8 @@ def _pair_calls(calls_a: Table, calls_b: Table, norms_a: np.ndarray, norms_b: np
     (step, direction, module): by position where both sides have the same names in the same
     order (the usual case, for all such groups at once), else by aligning the two sequences."""
     n = len(calls_a)
-    groups = Groups(*(np.concatenate([calls_a[k], calls_b[k]]) for k in ("step", "direction", "module")))
+    groups = Groups(np.concatenate([calls_a["step"], calls_b["step"]]),
+                    *(concatenated(calls_a.coded(k), calls_b.coded(k)) for k in ("direction", "module")))
     group_a, group_b = groups.codes[:n], groups.codes[n:]
     order_a, order_b = np.argsort(group_a, kind="stable"), np.argsort(group_b, kind="stable")  # group after group
     count_a, count_b = np.bincount(group_a, minlength=len(groups)), np.bincount(group_b, minlength=len(groups))

@@ -26,7 +26,7 @@ from pi0align.compare.measuring.metrics import (
 )
 from pi0align.compare.reading.records import Dump
 from pi0align.compare.result import COMPARABLE
-from pi0align.compare.table import Table, gather, isin
+from pi0align.compare.table import Coded, Table, concatenated, gather, isin
 
 
 @dataclass(frozen=True)
@@ -69,14 +69,15 @@ def measure_rank_pair(a: Dump, b: Dump, replay: bool, advance: Callable[[int], N
     side_a, side_b = _Side(ra, ia), _Side(rb, ib)
     either = np.where(ia >= 0, ia, len(ra) + ib)  # a's record where there is one, else b's
     pick = lambda column: np.concatenate([ra[column], rb[column]])[either]
+    picked_coded = lambda column: concatenated(ra.coded(column), rb.coded(column)).take(either)  # noqa: E731
     rows = Table({
         "step": pick("step").astype(np.int64),
         "seq_a": side_a.values("seq", np.nan), "seq_b": side_b.values("seq", np.nan),
-        "name": pick("name"), "module": pick("module"), "api": pick("api"), "direction": pick("direction"),
-        "role": pick("role"), "arg_index": pick("arg_index").astype(np.int64),
-        "dtype_a": side_a.values("dtype", ""), "dtype_b": side_b.values("dtype", ""),
-        "shape_a": side_a.values("shape", ""), "shape_b": side_b.values("shape", ""),
-        "pairing": pairs["pairing"],
+        "name": pick("name"), **{column: picked_coded(column) for column in ("module", "api", "direction", "role")},
+        "arg_index": pick("arg_index").astype(np.int64),
+        **{f"{column}_{side}": values.coded(column, "") for column in ("dtype", "shape")
+           for side, values in (("a", side_a), ("b", side_b))},
+        "pairing": pairs.coded("pairing"),
         "evidence": np.full(len(ia), "", object), "stack": pick("stack"), "rank": np.full(len(ia), a.rank, np.int64),
         # internal, not in ROW_COLUMNS: statistics for the bounds, the rounding-noise rule and which
         # records hold the same tensor (bounds.py, noise.py, identity.py)
@@ -87,7 +88,7 @@ def measure_rank_pair(a: Dump, b: Dump, replay: bool, advance: Callable[[int], N
     }, length=len(ia), nullable_ints=("seq_a", "seq_b"))
     for metric in TENSOR_METRICS + STATS_METRICS:
         rows[metric] = np.full(len(ia), np.nan)
-    comparable = isin(rows["pairing"], COMPARABLE)
+    comparable = isin(rows.coded("pairing"), COMPARABLE)
     _fill_stats(rows, side_a, side_b, comparable)
     notes = []
     if a.mode == b.mode == "sample" and a.sample_reader and b.sample_reader:
@@ -121,6 +122,10 @@ class _Side:
 
     def __init__(self, records: Table, rows: np.ndarray):
         self.records, self.rows = records, rows
+
+    def coded(self, column: str, missing: str) -> Coded:
+        """A text column, coded (table.Coded)."""
+        return self.records.coded(column).gathered(self.rows, missing)
 
     def values(self, column: str, missing: str | float) -> np.ndarray:
         """The column as text when `missing` is a str, float64 when a float, int64 when an int."""

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from pi0align.compare.table import Coded
+
 ROLES = ("input", "output", "grad_output", "grad_input", "parameter", "parameter_grad")  # csrc's order
 PARAMETER_ROLES = frozenset({ROLES.index("parameter"), ROLES.index("parameter_grad")})
 TASK_MODES = {"statistics": "stats", "tensor": "tensor"}  # msprobe's tasks read, and our mode of each
@@ -43,8 +45,8 @@ class ScannedStep:
     group_count: np.ndarray  # int64: its tensors (0 for none)
     group_parameter: list[str]  # the parameter's name in a parameter group, "" in the others
     statistics: np.ndarray  # (tensors, 4) float64: Min, Max, Mean, Norm, NaN where msprobe has none
-    dtype: np.ndarray  # object: "float32"
-    shape: np.ndarray  # object: "[2, 3]"
+    dtype: Coded  # "float32"
+    shape: Coded  # "[2, 3]"
     numel: np.ndarray  # int64
     requires_grad: np.ndarray  # int64: 1, 0, -1 where not said
     data_name: np.ndarray  # object: the tensor's file (tensor mode), "" where none
@@ -169,10 +171,11 @@ def _step(task: str, keys: list[str], calls: Any, roles: Any, counts: Any, param
         raise ValueError("a shape that is no tensor's")
     shape_texts = np.array(["[" + ", ".join(map(str, shape)) + "]" for shape in shapes] or [""], object)
     numels = np.array([math.prod(shape) for shape in shapes] or [0], np.int64)
-    dtype_names = np.array([d.removeprefix("torch.") for d in dtypes] or [""], object)
+    dtype_names = Coded.of(np.array([d.removeprefix("torch.") for d in dtypes] or [""], object))
+    shape_names = Coded.of(shape_texts)
     return ScannedStep(task, keys, np.asarray(calls, np.int64), np.asarray(roles, np.int64),
-                       np.asarray(counts, np.int64), parameters, statistics, dtype_names[dtype_codes],
-                       shape_texts[shape_codes], numels[shape_codes], requires_grad, data_names)
+                       np.asarray(counts, np.int64), parameters, statistics, dtype_names.take(dtype_codes),
+                       shape_names.take(shape_codes), numels[shape_codes], requires_grad, data_names)
 
 
 # --- the scanner ------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from pi0align.compare.reading.msprobe_scan import (
 from pi0align.compare.reading.records import Dump, TensorRecord, call_site, no_metrics, no_records
 from pi0align.compare.reading.sizes import check_tensor
 from pi0align.compare.reading.torch_files import load_tensor
-from pi0align.compare.table import Table
+from pi0align.compare.table import Coded, Table
 from pi0align.errors import UserError
 
 _FRAME = re.compile(r"File (?P<file>.*?), line (?P<line>\d+), in (?P<func>[^,\n]+)")
@@ -284,15 +284,18 @@ class _StepRecords:
         in_step = np.array([direction != "parameter" and _in_optimizer_step(f)
                             for direction, f in zip(self.calls[4], frames)], bool)
         sites = np.array(list(map(call_site, frames)), object)
-        call_ids, names, modules, apis, directions, sites = (
-            column[of_call] for column in (ids, names, modules, apis, _update_phase(directions, in_step), sites))
+        call_ids, names, sites = (column[of_call] for column in (ids, names, sites))
+        # the columns of few distinct values, coded (table.Coded): what the compare groups and joins on
+        modules, apis, directions = (Coded.of(column).take(of_call)
+                                     for column in (modules, apis, _update_phase(directions, in_step)))
+        roles = Coded.of(np.array(ROLES, object))
         data_names = scanned.data_name[rows]
         return Table({
             "rank": np.full(n, rank, np.int64), "step": np.full(n, self.step, np.int64),
             "call": call_ids.astype(np.int64), "seq": call_ids.astype(np.int64), "name": names, "module": modules,
             "api": apis, "direction": directions,
-            "role": np.array(ROLES, object)[np.repeat(scanned.group_role[kept], counts)],
-            "arg_index": arg_index, "dtype": scanned.dtype[rows], "shape": scanned.shape[rows],
+            "role": roles.take(np.repeat(scanned.group_role[kept], counts)),
+            "arg_index": arg_index, "dtype": scanned.dtype.take(rows), "shape": scanned.shape.take(rows),
             "numel": scanned.numel[rows], **dict(zip(("min", "max", "mean", "norm"), scanned.statistics[rows].T)),
             "nan_count": np.full(n, np.nan), "inf_count": np.full(n, np.nan), "stack": sites,
             "tensor": np.array([str(tensor_dir / d) if d else "" for d in data_names], object),

@@ -200,15 +200,20 @@ def _column(group: h5py.Group, name: str, texts: dict[str, str] | None = None, l
 
 
 def _step_records(group: h5py.Group, step: int, rank: int, frames_of: dict[int, list[str]], texts: dict[str, str]):
-    calls = _table(group["calls"], _CALL_COLUMNS, texts)
+    calls = Table(_table(group["calls"], _CALL_COLUMNS, texts))
     records = Table(_table(group["records"], _RECORD_COLUMNS, texts))
     if len(np.unique(calls["call_id"])) != len(calls["call_id"]):
         raise ValueError("call ids repeat")
     of_call = lookup([records["call_id"]], [calls["call_id"]])
     if (of_call < 0).any():
         raise ValueError("records of calls that are not listed")
-    for c in ("seq", "name", "module", "api", "direction"):
+    for c in ("seq", "name"):
         records[c] = calls[c][of_call]
+    # the columns of few distinct values, coded (table.Coded): what the compare groups and joins on
+    for c in ("module", "api", "direction"):
+        records[c] = calls.coded(c).take(of_call)
+    for c in ("role", "dtype", "shape"):
+        records.coded(c)
     records["sample_row"] = np.arange(len(records)) if "samples" in group else -1
     records["call"], records["step"], records["rank"] = records["call_id"], step, rank
     records["requires_grad"] = np.full(len(records), -1, np.int64)  # not recorded: the batch has Data records

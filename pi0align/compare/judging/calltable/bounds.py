@@ -32,7 +32,7 @@ from pi0align.compare.judging.modules import is_module_api
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.measuring.arguments import adam_step_for
 from pi0align.compare.reading.records import function_names, subjects
-from pi0align.compare.table import KeyIndex, Table, lookup, mapped
+from pi0align.compare.table import Coded, KeyIndex, Table, lookup, mapped
 from pi0align.dump.file_format import OPTIMIZER_API
 
 # An output error up to twice what the inputs and rounding explain is the spread of the measure
@@ -93,10 +93,11 @@ SUMMING_RULES = frozenset({"matmul", "reduction", "gradient sum", "softmax gradi
 UPDATE_ROUNDINGS = 2.0
 
 
-def matmul_names(api: np.ndarray) -> np.ndarray:
+def matmul_names(api: np.ndarray | Coded) -> np.ndarray:
     """Each API's function name in lower case, by which a module of the matmul family is one
     (`Module.Linear` -> `linear`) wherever MATMULS is looked up."""
-    return mapped(np.atleast_1d(np.asarray(api, object)), lambda name: str(name).rpartition(".")[2].lower())
+    apis = api if isinstance(api, Coded) else np.atleast_1d(np.asarray(api, object))
+    return mapped(apis, lambda name: str(name).rpartition(".")[2].lower())
 
 
 def half_precision(unit: np.ndarray) -> np.ndarray:
@@ -139,7 +140,7 @@ def invariant_errors(of: CallRecords) -> np.ndarray:
     mean: every row sums to one), 0 where it keeps none. Its records as for `conditions`, with
     `mean_val_rel_err`."""
     calls = of.calls
-    function = function_names(calls["api"])
+    function = function_names(calls.coded("api"))
     softmax = np.flatnonzero((calls["direction"].astype(object) != "backward") & np.isin(function, list(SOFTMAXES)))
     invariant = np.zeros(len(calls))
     invariant[softmax] = np.nan_to_num(of.output_statistic_error(softmax, "mean_val_rel_err"))
@@ -154,7 +155,7 @@ def conditions(of: CallRecords) -> tuple[np.ndarray, np.ndarray]:
     (`reduction_condition`) or its selecting a part of its input (SELECTIONS: ‖x‖ / ‖part‖, all of
     the input's error may sit in the part)."""
     calls, records, call_of_record = of.calls, of.records, of.call_of_record
-    function = function_names(calls["api"])
+    function = function_names(calls.coded("api"))
     forward = calls["direction"].astype(object) != "backward"
     condition, rule = np.ones(len(calls)), np.full(len(calls), "", object)
 
@@ -297,7 +298,7 @@ class CallRecords:
         backward call's forward saved for it), -1 where there is none."""
         calls, keys = self.calls, ("rank", "step", "name")
         forward = np.flatnonzero(calls["direction"] == "forward")
-        found = lookup([calls[k] for k in keys], [calls[k][forward] for k in keys])
+        found = lookup([calls.coded(k) for k in keys], [calls.coded(k).take(forward) for k in keys])
         return np.where(found >= 0, forward[np.maximum(found, 0)] if len(forward) else -1, -1)
 
 
@@ -362,7 +363,7 @@ def _module_weights(calls: Table, of: CallRecords, at: np.ndarray) -> np.ndarray
     `Module.Linear`'s condition was unknown: 1 forward, the call's for its input gradient (where
     the input has fewer features than the output, the sum over positions' C of its smaller result)."""
     weights = np.full(len(at), -1, np.int64)
-    module = np.flatnonzero(is_module_api(calls["api"][at])) if len(at) else at
+    module = np.flatnonzero(is_module_api(calls.coded("api").take(at))) if len(at) else at
     parameters = np.flatnonzero(calls["direction"] == "parameter")
     if not len(module) or not len(parameters):
         return weights
@@ -383,7 +384,7 @@ def _matmul_conditions(calls: Table, of: CallRecords, per_product: bool = True) 
     nothing cancels (PI0 tiny's eager attention, batch 8 × 8 heads: C was 8, and its scores 5 %
     off were within it wherever their inputs already differed), taken alike across the batch; a
     weight shared by the batch (a linear's) is one operand of every product, and no batch."""
-    function = matmul_names(calls["api"])
+    function = matmul_names(calls.coded("api"))
     condition = np.full(len(function), np.nan)
     matmul = np.flatnonzero(np.isin(function, list(MATMULS)))
     if not len(matmul):
@@ -424,7 +425,7 @@ def result_conditions(of: CallRecords) -> tuple[np.ndarray, np.ndarray]:
     over positions (a bias's): reduction_condition."""
     calls, records, call_of_record = of.calls, of.records, of.call_of_record
     condition, extremes = np.full(len(records), np.nan), np.full(len(records), np.nan)
-    function = matmul_names(calls["api"])
+    function = matmul_names(calls.coded("api"))
     backward = np.flatnonzero((calls["direction"] == "backward") & np.isin(function, list(MATMULS)))
     if not len(backward):
         return condition, extremes

@@ -56,14 +56,14 @@ CALL_COLUMNS = ["rank", "step", "direction", "kind", "seq_a", "name", "module", 
 
 def judged_records(verdict: np.ndarray, rows: Table) -> np.ndarray:
     """Records that take part in the call table: judged, of a phase of the step."""
-    of_a_phase = mapped(rows["direction"], lambda direction: direction in PHASES, bool)
+    of_a_phase = mapped(rows.coded("direction"), lambda direction: direction in PHASES, bool)
     return (verdict != "n/a") & (of_a_phase | (rows["role"] == "parameter_grad"))  # call_directions in PHASES
 
 
 def producers(rows: Table, judged: np.ndarray, identity: np.ndarray) -> np.ndarray:
     """Per record, the judged record (`judged`: judged_records) that produced its tensor (a call's
     result, a parameter, the batch: identity.produced), -1 where none did."""
-    return produced(rows, identity, isin(rows["role"], RESULT_ROLES) & judged)
+    return produced(rows, identity, isin(rows.coded("role"), RESULT_ROLES) & judged)
 
 
 def call_table(rows: Table, verdict: np.ndarray, judged: np.ndarray, rounding: np.ndarray, identity: np.ndarray,
@@ -128,15 +128,16 @@ def _grouped_calls(judged: Table, groups: Groups, channels: Table, use: np.ndarr
     sources, error, metric = (channels[c][use] for c in ("source", "error", "metric"))
     summed, extremes, spread, summed_sources = (np.nan_to_num(np.where(rounding, np.nan, channels[c][use]))
                                                 for c in ("summed", "extremes", "spread", "summed_source"))
-    is_in = isin(judged["role"], INPUT_ROLES)
-    is_out = isin(judged["role"], (*OUTPUT_ROLES, "parameter", "parameter_grad"))
-    roundoff = class_roundoffs(judged["dtype_class"])
+    is_in = isin(judged.coded("role"), INPUT_ROLES)
+    is_out = isin(judged.coded("role"), (*OUTPUT_ROLES, "parameter", "parameter_grad"))
+    roundoff = class_roundoffs(judged.coded("dtype_class"))
     first = groups.first
     identical = judged["identical"].astype(bool)
     calls = Table({
         "rank": judged["rank"][first], "step": judged["step"][first],
-        "direction": call_directions(judged)[first], "seq_a": judged["seq_a"].astype(np.int64)[first],
-        "name": judged["name"][first], "module": judged["module"][first], "api": judged["api"][first],
+        "direction": call_directions(judged).take(first), "seq_a": judged["seq_a"].astype(np.int64)[first],
+        "name": judged.coded("name").take(first), "module": judged.coded("module").take(first),
+        "api": judged.coded("api").take(first),
         "input_error": groups.max(np.where(is_in & ~np.isnan(sources), sources, 0.0)),
         "output_error": groups.max(np.where(is_out, np.where(np.isnan(error), 0.0, error), -np.inf)),
         # the output's error by channel (statistic_channels), the inputs' summed errors (each
@@ -152,8 +153,8 @@ def _grouped_calls(judged: Table, groups: Groups, channels: Table, use: np.ndarr
         # roundoff of its result dtypes, and why it was not replayed
         "local_error_a": groups.max(np.where(is_out, judged["local_error_a"].astype(np.float64), np.nan)),
         "local_error_b": groups.max(np.where(is_out, judged["local_error_b"].astype(np.float64), np.nan)),
-        "unit_a": groups.max(np.where(is_out, unit_roundoffs(judged["dtype_a"]), 0.0)),
-        "unit_b": groups.max(np.where(is_out, unit_roundoffs(judged["dtype_b"]), 0.0)),
+        "unit_a": groups.max(np.where(is_out, unit_roundoffs(judged.coded("dtype_a")), 0.0)),
+        "unit_b": groups.max(np.where(is_out, unit_roundoffs(judged.coded("dtype_b")), 0.0)),
         "replay": groups.max_text(np.where(is_out, judged["replay"], "").astype(object)),
         "args_differ": groups.any(judged["args_differ"].astype(bool)),
         # exact evidence: every input holds the same bits on both sides, some output does not

@@ -143,7 +143,7 @@ def precision_floors(rows: Table) -> np.ndarray:
     records: float32 values computed from bfloat16 ones carry bfloat16's differences), so at least
     that noise floor. (A float32 gradient whose sampled elements agreed, of PI0 tiny in bf16 at 1
     and 2 threads, once counted as exact, and the sum of it over the batch was named.)"""
-    roundoff = mapped(rows["dtype_class"], lambda c: UNIT_ROUNDOFF.get(c, np.inf), np.float64)
+    roundoff = mapped(rows.coded("dtype_class"), lambda c: UNIT_ROUNDOFF.get(c, np.inf), np.float64)
     floating = roundoff < UNIT_ROUNDOFF["integer"]  # no dtype (one side only): none
     step = Groups(rows["rank"], rows["step"])
     coarsest = step.max(np.where(floating, roundoff, 0.0))[step.codes]

@@ -50,7 +50,7 @@ def parameter_calls(calls: Table, before: Table | None = None) -> Table:
     """Of these calls and `before` (an earlier result of this function), the latest call of each
     parameter, its gradient and its update (PARAMETER_DIRECTIONS), by step: what the next steps'
     parameters read (`call_table`'s `parameters_before`)."""
-    mine = calls.take(isin(calls["direction"], PARAMETER_DIRECTIONS))
+    mine = calls.take(isin(calls.coded("direction"), PARAMETER_DIRECTIONS))
     both = Table.concat([before.select(mine.columns), mine]) if before is not None else mine
     latest = np.lexsort((-both["step"], both["direction"], subjects(both["name"]), both["rank"]))
     both = both.take(latest)
