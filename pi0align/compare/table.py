@@ -254,6 +254,13 @@ def key_codes(*keys: np.ndarray | Coded) -> tuple[np.ndarray, int]:
     return _compress(codes)
 
 
+def row_of_each(codes: np.ndarray, count: int) -> np.ndarray:
+    """For each of `count` codes, a row that holds it (key_codes' codes: every code is held)."""
+    rows = np.zeros(count, np.int64)
+    rows[codes] = np.arange(len(codes))
+    return rows
+
+
 def unique_values(values: np.ndarray | Coded) -> tuple[np.ndarray, np.ndarray]:
     """np.unique(values, return_inverse=True): the distinct values sorted, and each value's position
     (of a Coded column, its own, which may hold values no row has)."""

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pi0align.compare.table import Groups, Table, concatenated, gather, key_codes, lookup, outer_join
+from pi0align.compare.table import Groups, Table, concatenated, gather, key_codes, lookup, outer_join, row_of_each
 
 _MAX_RUN_DP = 1_000_000  # cells; larger runs pair in order instead of by closeness
 _MAX_EDITS = 2000  # beyond this many insertions + deletions in one module, difflib takes over
@@ -63,7 +63,11 @@ def _calls(records: Table) -> tuple[Table, np.ndarray]:
     step, call = step[ordered], call[ordered]
     starts = np.flatnonzero(np.r_[True, (step[1:] != step[:-1]) | (call[1:] != call[:-1])]) if len(step) else \
         np.array([], np.int64)
-    parts = records["role"][ordered] + ":" + records["shape"][ordered] + ":" + records["dtype"][ordered] + "|"
+    # each record's part of its call's token, made once per distinct (role, shape, dtype)
+    triple, count = key_codes(*(records.coded(c) for c in ("role", "shape", "dtype")))
+    one_each = row_of_each(triple, count)
+    texts = records["role"][one_each] + ":" + records["shape"][one_each] + ":" + records["dtype"][one_each] + "|"
+    parts = texts[triple[ordered]]
     first = ordered[starts]
     calls = Table({c: records.coded(c).take(first) if c in _CODED else records[c][first]
                    for c in ("step", "call", "seq", "name", "module", "api", "direction")}, length=len(starts))

@@ -37,7 +37,7 @@ from pi0align.compare.reading.msprobe_scan import (
 from pi0align.compare.reading.records import Dump, TensorRecord, call_site, no_metrics, no_records
 from pi0align.compare.reading.sizes import check_tensor
 from pi0align.compare.reading.torch_files import load_tensor
-from pi0align.compare.table import Coded, Table
+from pi0align.compare.table import Coded, Table, mapped
 from pi0align.errors import UserError
 
 _FRAME = re.compile(r"File (?P<file>.*?), line (?P<line>\d+), in (?P<func>[^,\n]+)")
@@ -280,10 +280,9 @@ class _StepRecords:
         rows = np.repeat(group_starts[kept], counts) + arg_index  # each record's tensor in the scanned columns
         of_call = np.repeat(self.owner[kept], counts)
         ids, names, modules, apis, directions = (np.array(column, object) for column in self.calls[:5])
-        frames = self.calls[5]
-        in_step = np.array([direction != "parameter" and _in_optimizer_step(f)
-                            for direction, f in zip(self.calls[4], frames)], bool)
-        sites = np.array(list(map(call_site, frames)), object)
+        stack_of_call, stacks = _shared(self.calls[5])
+        in_step = np.array([_in_optimizer_step(f) for f in stacks], bool)[stack_of_call] & (directions != "parameter")
+        sites = np.array([call_site(f) for f in stacks], object)[stack_of_call]
         call_ids, names, sites = (column[of_call] for column in (ids, names, sites))
         # the columns of few distinct values, coded (table.Coded): what the compare groups and joins on
         modules, apis, directions = (Coded.of(column).take(of_call)
@@ -298,10 +297,18 @@ class _StepRecords:
             "arg_index": arg_index, "dtype": scanned.dtype.take(rows), "shape": scanned.shape.take(rows),
             "numel": scanned.numel[rows], **dict(zip(("min", "max", "mean", "norm"), scanned.statistics[rows].T)),
             "nan_count": np.full(n, np.nan), "inf_count": np.full(n, np.nan), "stack": sites,
-            "tensor": np.array([str(tensor_dir / d) if d else "" for d in data_names], object),
+            "tensor": mapped(data_names, lambda name: str(tensor_dir / name) if name else ""),
             "sample_row": np.full(n, -1, np.int64), "sample_count": np.zeros(n, np.int64),
             "checksum": np.full(n, -1, np.int64), "requires_grad": scanned.requires_grad[rows],
         }, length=n)
+
+
+def _shared(stacks: list[tuple[str, ...]]) -> tuple[np.ndarray, list[tuple[str, ...]]]:
+    """The distinct objects among the calls' stacks (calls of one stack share its tuple: _frames),
+    and each call's position among them."""
+    distinct, first, position = np.unique(np.fromiter(map(id, stacks), np.uint64, len(stacks)), return_index=True,
+                                          return_inverse=True)
+    return position.reshape(-1), [stacks[i] for i in first.tolist()]
 
 
 def _update_phase(directions: np.ndarray, in_optimizer_step: np.ndarray) -> np.ndarray:

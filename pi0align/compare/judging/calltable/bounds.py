@@ -217,7 +217,7 @@ class CallRecords:
 
     def __init__(self, calls: Table, records: Table, call_of_record: np.ndarray):
         self.calls, self.records, self.call_of_record, self.n_calls = calls, records, call_of_record, len(calls)
-        self.index = KeyIndex([call_of_record, records["role"], records["arg_index"]])  # asked once per bound
+        self.index = KeyIndex([call_of_record, records.coded("role"), records["arg_index"]])  # asked once per bound
         self.norms = records["norm_a"].astype(np.float64)
         low, high = records["min_a"].astype(np.float64), records["max_a"].astype(np.float64)
         with np.errstate(invalid="ignore"):

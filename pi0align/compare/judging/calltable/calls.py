@@ -136,7 +136,7 @@ def _grouped_calls(judged: Table, groups: Groups, channels: Table, use: np.ndarr
     calls = Table({
         "rank": judged["rank"][first], "step": judged["step"][first],
         "direction": call_directions(judged).take(first), "seq_a": judged["seq_a"].astype(np.int64)[first],
-        "name": judged.coded("name").take(first), "module": judged.coded("module").take(first),
+        "name": judged["name"][first], "module": judged.coded("module").take(first),
         "api": judged.coded("api").take(first),
         "input_error": groups.max(np.where(is_in & ~np.isnan(sources), sources, 0.0)),
         "output_error": groups.max(np.where(is_out, np.where(np.isnan(error), 0.0, error), -np.inf)),
