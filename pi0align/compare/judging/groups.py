@@ -12,7 +12,7 @@ import numpy as np
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.reading.records import subjects
 from pi0align.compare.result import CulpritGroup
-from pi0align.compare.table import Table
+from pi0align.compare.table import Coded, Table, key_codes, row_of_each
 from pi0align.dump.file_format import OPTIMIZER_API, RANDOM_FUNCTIONS
 
 # APIs whose kernels multiply matrices: TF32 / HF32 switches change all of them at once
@@ -31,9 +31,13 @@ def family(api: str, kind: str = "call") -> str:
     return "matmul family" if api.rsplit(".", 1)[-1] in MATMUL_FAMILY else api
 
 
-def _families(calls: Table) -> np.ndarray:
-    return np.array([family(api, kind) for api, kind in zip(calls["api"].astype(str).tolist(), calls["kind"].tolist())],
-                    dtype=object)
+def _families(calls: Table) -> Coded:
+    """Each call's `family`, found once per distinct API and kind."""
+    pair, count = key_codes(calls.coded("api"), calls.coded("kind"))
+    one = row_of_each(pair, count)
+    of_pair = Coded.of(np.array([family(str(api), kind) for api, kind in zip(calls["api"][one].tolist(),
+                                                                              calls["kind"][one].tolist())], object))
+    return of_pair.take(pair)
 
 
 def family_counts(calls: Table, counts: dict[tuple[str, str], tuple[int, int]] | None = None
@@ -41,10 +45,15 @@ def family_counts(calls: Table, counts: dict[tuple[str, str], tuple[int, int]] |
     """(kind, family) -> (judged calls, of which introduce error: outputs failing, more error out
     than in), added to `counts` where given (the calls of other steps)."""
     counts = dict(counts or {})
-    introduces = (calls["outputs_fail"] & (calls["introduced_error"] > 1)).tolist()
-    for key, adds in zip(zip(calls["kind"].tolist(), _families(calls).tolist()), introduces):
-        total, introducing = counts.get(key, (0, 0))
-        counts[key] = (total + 1, introducing + int(adds))
+    families = _families(calls)
+    key, count = key_codes(calls.coded("kind"), families)
+    introduces = calls["outputs_fail"] & (calls["introduced_error"] > 1)
+    one = row_of_each(key, count)
+    for kind, name, calls_of_key, introducing_of_key in zip(
+            calls["kind"][one].tolist(), families.take(one).values.tolist(),
+            np.bincount(key, minlength=count).tolist(), np.bincount(key, introduces, minlength=count).tolist()):
+        total, introducing = counts.get((kind, name), (0, 0))
+        counts[(kind, name)] = (total + calls_of_key, introducing + int(introducing_of_key))
     return counts
 
 
@@ -56,7 +65,7 @@ def culprit_groups(guilty: Table, blame: np.ndarray, counts: dict[tuple[str, str
     counts: `family_counts` of every judged call; hyper_parameters: the optimizer settings that differ."""
     if not len(guilty):
         return []
-    families = _families(guilty)
+    families = _families(guilty).values
     groups, first = [], []
     for kind, api in sorted(set(zip(guilty["kind"].tolist(), families.tolist()))):
         members = np.flatnonzero((guilty["kind"] == kind) & (families == api))

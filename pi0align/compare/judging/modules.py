@@ -41,7 +41,7 @@ def enclosing_modules(calls: Table) -> np.ndarray:
     row opens at its first gradient, before its children's, and its input gradient is the first
     child's (a Sequential's and its first Linear's, at level module): without it the parent, first
     in order, was named and its child counted downstream of it."""
-    order = np.lexsort((calls["seq_a"], calls["direction"], calls["step"], calls["rank"]))
+    order = np.lexsort((calls["seq_a"], calls.coded("direction").codes, calls["step"], calls["rank"]))
     module_api = is_module(calls).tolist()
     paths, ranks, steps = calls["module"].tolist(), calls["rank"].tolist(), calls["step"].tolist()
     directions = calls["direction"].tolist()
