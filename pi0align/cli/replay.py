@@ -133,7 +133,7 @@ def _condition(records, mine, direction: str) -> tuple[float, str, str]:
 
     first = int(np.flatnonzero(mine)[0])
     related = mine | ((records["step"] == records["step"][first]) & (records["name"] == records["name"][first])
-                      & (records["direction"] == "forward"))
+                      & records.isin("direction", "forward"))
     own = records.take(related)
     call = Groups(own["direction"])  # the call, and its forward call where it is a backward one
     calls = Table({column: own[column][call.first] for column in ("rank", "step", "name", "api", "direction")})

@@ -28,7 +28,7 @@ from pi0align.compare.measuring.rank_pair import MeasuredWindow
 from pi0align.compare.reading.records import Dump, user_frames
 from pi0align.compare.result import PAIRED, PAIRINGS, ROW_COLUMNS, CallRef, Comparison
 from pi0align.compare.rowstore import RowStore
-from pi0align.compare.table import Table, isin
+from pi0align.compare.table import Table
 from pi0align.errors import UserError
 
 # Two runs of one training pair nearly all of the smaller dump's records (one dumped at level api
@@ -155,7 +155,8 @@ class Conclusion:
     def _keep_first(self, calls: Table, culprit: np.ndarray, stack_of: Callable) -> None:
         """The first divergence, and the first in a backward pass, of all windows: the earliest in
         execution order (the groups of ranks of one step come one after the other)."""
-        for attribute, guilty in (("first", culprit), ("first_backward", culprit & (calls["direction"] == "backward"))):
+        backward = calls.isin("direction", "backward")
+        for attribute, guilty in (("first", culprit), ("first_backward", culprit & backward)):
             found = first_positions(calls, guilty)
             if not found:
                 continue
@@ -207,7 +208,7 @@ class Conclusion:
             self.coverage[label] += counts.get(label, 0)
         for side in "ab":
             if side not in self.unpaired_example and counts.get(f"only_{side}"):
-                found = rows["name"][isin(pairing, (f"only_{side}",))]
+                found = rows["name"][rows.isin("pairing", f"only_{side}")]
                 if len(found):
                     self.unpaired_example[side] = found[0]
         self.ranks.update(np.unique(rows["rank"]).tolist())

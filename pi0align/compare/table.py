@@ -108,6 +108,10 @@ class Table:
             self._coded[name] = Coded.of(self[name])
         return self._coded[name]
 
+    def isin(self, name: str, *values: Any) -> np.ndarray:
+        """Mask of the rows whose column `name` holds one of `values` (from its codes)."""
+        return isin(self.coded(name), values)
+
     def take(self, rows: np.ndarray) -> Table:
         """The rows at these positions, or where this mask is true."""
         rows = np.asarray(rows)

@@ -52,5 +52,5 @@ def kinds(calls: Table, first_step: int) -> np.ndarray:
     api = calls.coded("api")
     kind[(kind == "call") & isin(function_names(api.distinct), RANDOM_FUNCTIONS)[api.codes]] = "data"
     kind[(kind == "parameters") & (calls["step"] == 0) & (first_step == 0)] = "initial_weights"
-    kind[(calls["direction"] == "parameter") & (calls["previous_step"] >= 0)] = "optimizer"
+    kind[calls.isin("direction", "parameter") & (calls["previous_step"] >= 0)] = "optimizer"
     return kind

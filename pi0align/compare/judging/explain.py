@@ -104,7 +104,7 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
 
     settle(rounding, "rounding")
     within = gather(judgement.within, call, "").astype(object)
-    result = isin(rows.coded("role"), (*RESULT_ROLES, "parameter_grad"))
+    result = rows.isin("role", *RESULT_ROLES, "parameter_grad")
     settle(result & (call >= 0) & (within != "") & (within != "unsourced"), within)
 
     def fine() -> np.ndarray:  # rows that do not fail, or are explained by now
@@ -123,7 +123,7 @@ def explain(rows: Table, verdict: np.ndarray, rounding: np.ndarray, identity: np
     final[failing & labelled & (labels != "limits")] = "warn"
     # a culprit found by exact evidence fails its differing outputs: a change its statistics may not see
     exact = gather(judgement.culprit & (judgement.evidence == "exact"), call, False).astype(bool)
-    final[exact & isin(rows.coded("role"), OUTPUT_ROLES) & ~rows["identical"].astype(bool)] = "fail"
+    final[exact & rows.isin("role", *OUTPUT_ROLES) & ~rows["identical"].astype(bool)] = "fail"
     return Explanation(verdict=final, explained_by=labels)
 
 
@@ -153,7 +153,7 @@ def _gradient_sums_within(rows: Table, identity: np.ndarray, error: np.ndarray, 
     channels.elementwise_errors), every one of those explained."""
     failing_unexplained = (verdict == "fail") & ~fine
     bound, readers_fail = gradient_sources(rows, identity, sources, failing_unexplained)
-    gradient = (rows["direction"] == "backward") & (rows["role"] == "grad_output")
+    gradient = rows.isin("direction", "backward") & rows.isin("role", "grad_output")
     with np.errstate(invalid="ignore"):
         return gradient & ~readers_fail & (error <= MARGIN * np.maximum(bound, _floors(rows)))
 
@@ -164,12 +164,12 @@ def _accumulated_within(rows: Table, identity: np.ndarray, producer: np.ndarray,
     gradient was recorded (msprobe's `update` calls): within MARGIN × the bound of the sum the
     readers of a tensor of their shape that requires a gradient sent back
     (identity.accumulated_gradient_sources), every one of those explained."""
-    gradients = isin(rows["direction"], ("update", "in_optimizer")) & (rows["role"] == "input") & (producer < 0)
+    gradients = isin(rows["direction"], ("update", "in_optimizer")) & rows.isin("role", "input") & (producer < 0)
     if not gradients.any():
         return gradients
     # tensors read in forward that require a gradient (statistics may tell a parameter from the
     # same values elsewhere no better: every zero bias has the same statistics)
-    leaves = (rows["direction"] == "forward") & (rows["role"] == "input") & (requires_grad(rows) == 1)
+    leaves = rows.isin("direction", "forward") & rows.isin("role", "input") & (requires_grad(rows) == 1)
     bound, readers_fail = accumulated_gradient_sources(rows, identity, sources, (verdict == "fail") & ~fine,
                                                        gradients, leaves)
     with np.errstate(invalid="ignore"):
@@ -182,10 +182,10 @@ def _clipped_within(rows: Table, error: np.ndarray, sources: np.ndarray, fine: n
     gradient may carry, `sources`: channels.elementwise_errors, + the error of the total norm),
     the gradient explained. (Sampled at other positions than the gradient's record, its elements'
     differences are known from the gradient's floor, not its samples.)"""
-    update_grad = (rows["direction"] == "optimizer") & (rows["role"] == "input") & (rows["arg_index"] == 1)
+    update_grad = rows.isin("direction", "optimizer") & rows.isin("role", "input") & (rows["arg_index"] == 1)
     if not update_grad.any():
         return update_grad
-    gradients = np.flatnonzero(rows["role"] == "parameter_grad")
+    gradients = np.flatnonzero(rows.isin("role", "parameter_grad"))
     rank, step = rows["rank"], rows["step"]
     norm_a, norm_b = rows["norm_a"].astype(np.float64), rows["norm_b"].astype(np.float64)
     total_error = {}
@@ -213,12 +213,12 @@ STATE_FACTS = ("fine", "error", "norm", "nonnegative", "gradient_error", "gradie
 
 def _state_inputs(rows: Table) -> np.ndarray:
     """The state tensors an update reads (inputs 2 on: what the update before left as outputs 2 on)."""
-    return (rows["direction"] == "optimizer") & (rows["role"] == "input") & (rows["arg_index"] >= 2)
+    return rows.isin("direction", "optimizer") & rows.isin("role", "input") & (rows["arg_index"] >= 2)
 
 
 def _state_outputs(rows: Table) -> np.ndarray:
     """The state tensors an update leaves (outputs 2 on)."""
-    return (rows["direction"] == "optimizer") & (rows["role"] == "output") & (rows["arg_index"] >= 2)
+    return rows.isin("direction", "optimizer") & rows.isin("role", "output") & (rows["arg_index"] >= 2)
 
 
 def optimizer_states(rows: Table, verdict: np.ndarray, rounding: np.ndarray, before: Table | None = None) -> Table:
@@ -251,10 +251,10 @@ def _gradient_errors(rows: Table, at: np.ndarray, sources: np.ndarray,
     """The error and norm of the gradient (input 1) that the update of each row `at` read (NaN
     where none): its error as a source, or, where its parameter's gradient is at rounding level
     (noise alone, noise.py), the most two tensors can differ by, ‖g_A − g_B‖ / ‖g_A‖ ≤ 1 + ‖g_B‖ / ‖g_A‖."""
-    read = np.flatnonzero((rows["direction"] == "optimizer") & (rows["role"] == "input") & (rows["arg_index"] == 1))
+    read = np.flatnonzero(rows.isin("direction", "optimizer") & rows.isin("role", "input") & (rows["arg_index"] == 1))
     found = lookup([rows[k][at] for k in ("rank", "step", "name")], [rows[k][read] for k in ("rank", "step", "name")])
     row = np.where(found >= 0, read[np.maximum(found, 0)], -1)
-    noise = np.flatnonzero(rounding & (rows["role"] == "parameter_grad"))
+    noise = np.flatnonzero(rounding & rows.isin("role", "parameter_grad"))
     keys = lambda where: [rows["rank"][where], rows["step"][where], subjects(rows["name"][where])]
     of_noise = lookup(keys(at), keys(noise)) >= 0
     norm_a, norm_b = (gather(rows[f"norm_{side}"].astype(np.float64), row, np.nan) for side in "ab")
@@ -364,20 +364,20 @@ def _read_by_code_not_dumped(rows: Table, identity: np.ndarray, output: np.ndarr
     before, none of a module around the call (made after it), never the gradient itself."""
     module_row = is_module_api(rows.coded("api"))
     seq = rows["seq_a"].astype(np.float64)
-    backward = rows["direction"] == "backward"
+    backward = rows.isin("direction", "backward")
     # by rank, step and module: the gradients sent back into it (by an API call in it, or a module
     # right inside it), and the gradient that entered it
     into: dict[tuple, list[int]] = {}
-    for r in np.flatnonzero(backward & (rows["role"] == "grad_input")).tolist():
+    for r in np.flatnonzero(backward & rows.isin("role", "grad_input")).tolist():
         path = str(rows["module"][r])
         if module_row[r] and not path:
             continue  # the whole model's: sent back out of it
         holder = path.rpartition(".")[0] if module_row[r] else path
         into.setdefault((rows["rank"][r], rows["step"][r], holder), []).append(r)
-    for r in np.flatnonzero(backward & (rows["role"] == "grad_output") & module_row).tolist():
+    for r in np.flatnonzero(backward & rows.isin("role", "grad_output") & module_row).tolist():
         into.setdefault((rows["rank"][r], rows["step"][r], str(rows["module"][r])), []).append(r)
     returned: dict[int, set[str]] = {}  # a tensor -> the modules whose forward returned it
-    for r in np.flatnonzero((rows["direction"] == "forward") & (rows["role"] == "output") & module_row
+    for r in np.flatnonzero(rows.isin("direction", "forward") & rows.isin("role", "output") & module_row
                             & (identity >= 0)).tolist():
         returned.setdefault(int(identity[r]), set()).add(str(rows["module"][r]))
     read = []
@@ -398,7 +398,7 @@ def _made_inside(rows: Table, call: np.ndarray, judgement: Judgement, producer: 
     """Forward inputs no dumped call produced (calls filtered out or on one side only, ops
     `torch.ops`, extension kernels) read inside modules, where every module around them stayed
     within its bound (judge.py: `inside`)."""
-    candidates = np.flatnonzero((rows["direction"] == "forward") & (rows["role"] == "input") & (call >= 0)
+    candidates = np.flatnonzero(rows.isin("direction", "forward") & rows.isin("role", "input") & (call >= 0)
                                 & (producer < 0))
     explained = np.zeros(len(rows), bool)
     if not len(candidates):
@@ -471,12 +471,12 @@ def unread_outputs(rows: Table, identity: np.ndarray) -> np.ndarray:
     (same rank, step, call and index) where no dumped call read that output (its tensor known,
     and no forward input of its step holding it); -1 elsewhere."""
     found = np.full(len(rows), -1, np.int64)
-    gradients = np.flatnonzero((rows["direction"] == "backward") & (rows["role"] == "grad_output"))
-    forward = rows["direction"] == "forward"
-    outputs = np.flatnonzero(forward & (rows["role"] == "output") & (identity >= 0))
+    gradients = np.flatnonzero(rows.isin("direction", "backward") & rows.isin("role", "grad_output"))
+    forward = rows.isin("direction", "forward")
+    outputs = np.flatnonzero(forward & rows.isin("role", "output") & (identity >= 0))
     if not len(gradients) or not len(outputs):
         return found
-    read = np.unique(identity[forward & (rows["role"] == "input") & (identity >= 0)])  # codes hold rank and step
+    read = np.unique(identity[forward & rows.isin("role", "input") & (identity >= 0)])  # codes hold rank and step
     outputs = outputs[~np.isin(identity[outputs], read)]
     if not len(outputs):
         return found

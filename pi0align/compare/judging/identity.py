@@ -14,7 +14,7 @@ import numpy as np
 from pi0align.compare.judging.modules import is_module_api, within
 from pi0align.compare.reading.records import OUTPUT_ROLES, function_names
 from pi0align.compare.result import COMPARABLE
-from pi0align.compare.table import Coded, Table, isin, key_codes, lookup
+from pi0align.compare.table import Coded, Table, key_codes, lookup
 
 RESULT_ROLES = (*OUTPUT_ROLES, "parameter")  # what a call, a parameter or the batch hands on
 _FINGERPRINT = ("min", "max", "mean", "norm")
@@ -29,7 +29,7 @@ def tensor_identities(rows: Table) -> np.ndarray:
     rank and step); -1 where that cannot be told (a record on one side only, no checksum and no
     statistics)."""
     n = len(rows)
-    paired = isin(rows.coded("pairing"), COMPARABLE)
+    paired = rows.isin("pairing", *COMPARABLE)
     checksum_a, checksum_b = (_through_one_sided_copies(rows, side) for side in "ab")
     by_checksum = paired & (checksum_a != -1) & (checksum_b != -1)
     stats = np.column_stack([rows[f"{s}_{side}"].astype(np.float64) for s in _FINGERPRINT for side in "ab"])
@@ -115,7 +115,7 @@ def _shared_parameters_own_readers(rows: Table, identity: np.ndarray, error: np.
     in bf16 long after: its updates stay under half an ulp), each one's gradient is what the
     readers inside its own module sent back (NaN where none of them was dumped), not the others'
     too: `bound` and `readers_fail` of those gradients set again."""
-    gradients = np.flatnonzero((rows["role"] == "parameter_grad") & (tensor >= 0))
+    gradients = np.flatnonzero(rows.isin("role", "parameter_grad") & (tensor >= 0))
     _, inverse, counts = np.unique(tensor[gradients], return_inverse=True, return_counts=True)
     shared = gradients[counts[inverse] > 1]
     if not len(shared):

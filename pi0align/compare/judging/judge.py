@@ -192,7 +192,7 @@ def judged_as_calls(calls: Table) -> np.ndarray:
     arithmetic where a dump records it op by op, msprobe's calls inside `optimizer.step()`, makes
     its update: kind `optimizer`; a random draw is data), and not what was recorded whole (the
     parameters, their gradients, the batch, our `Optimizer.step` records)."""
-    return isin(calls.coded("direction"), CALL_DIRECTIONS)
+    return calls.isin("direction", *CALL_DIRECTIONS)
 
 
 def computes_alike(diff: list, manifest: dict) -> bool:
@@ -211,7 +211,7 @@ def bit_comparable(rows: Table, identical: np.ndarray, diff: list, manifest: dic
     is handed and returns the same bits on both sides. `manifest`: A's."""
     if not computes_alike(diff, manifest):
         return False
-    known = checksums_known(rows) & (rows["direction"] == "forward") & isin(rows.coded("pairing"), SAME_SHAPE_AND_DTYPE)
+    known = checksums_known(rows) & rows.isin("direction", "forward") & rows.isin("pairing", *SAME_SHAPE_AND_DTYPE)
     module_call = is_module_api(rows.coded("api"))
     first = known & ~module_call  # a module's output comes at its end
     if not first.any():

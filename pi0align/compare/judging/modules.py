@@ -72,7 +72,7 @@ def holds_calls(calls: Table, parent: np.ndarray) -> np.ndarray:
     held = np.zeros(len(calls), bool)
     held[parent[parent >= 0]] = True
     module_api = is_module(calls)
-    backward = calls["direction"] != "forward"
+    backward = ~calls.isin("direction", "forward")
     key = lambda i: (int(calls["rank"][i]), int(calls["step"][i]), str(calls["direction"][i]))
     below = set()
     for i in np.flatnonzero(backward & ~module_api).tolist():

@@ -33,7 +33,7 @@ def rounding_share(classes: np.ndarray) -> np.ndarray:
 def rounding_level(rows: Table, verdict: np.ndarray) -> np.ndarray:
     """Mask of failing gradient records at rounding level."""
     role, rank, step = rows["role"], rows["rank"], rows["step"]
-    backward = (rows["direction"] == "backward") & isin(role, _GRADIENT_ROLES)
+    backward = rows.isin("direction", "backward") & isin(role, _GRADIENT_ROLES)
     parameter_grad = role == "parameter_grad"
     norm_a = rows["norm_a"].astype(np.float64)
     reference = np.zeros(len(rows))

@@ -11,7 +11,7 @@ from pi0align.compare.judging.reference import raised_limits
 from pi0align.compare.judging.thresholds import JUDGED_ERRORS
 from pi0align.compare.measuring.metrics import relative
 from pi0align.compare.result import COMPARABLE, SAME_SHAPE_AND_DTYPE
-from pi0align.compare.table import Table, isin
+from pi0align.compare.table import Table
 
 JUDGED = (*JUDGED_ERRORS, "cosine")  # cosine is judged as 1 - cosine against 1 - its limit
 
@@ -26,7 +26,7 @@ def metric_errors(rows: Table) -> dict[str, np.ndarray]:
 def metric_limits(rows: Table, thresholds: dict) -> dict[str, np.ndarray]:
     """Each judged error's limit per row (cosine: 1 - limit), NaN where the pair is not judged.
     A pair of two dtypes is judged by the looser one's thresholds."""
-    judged = isin(rows.coded("pairing"), COMPARABLE)
+    judged = rows.isin("pairing", *COMPARABLE)
     classes = np.where(judged, rows["dtype_class"], "")
     limits = {m: np.full(len(rows), np.nan) for m in JUDGED}
     for cls in set(classes[judged]):
@@ -88,7 +88,7 @@ def judge_rows(rows: Table, thresholds: dict, reference: Table | None = None) ->
 def identical_values(rows: Table) -> np.ndarray:
     """Rows whose two records hold the same bits (equal checksums, both known)."""
     same = rows["checksum_a"].astype(np.int64) == rows["checksum_b"].astype(np.int64)
-    return same & checksums_known(rows) & isin(rows.coded("pairing"), SAME_SHAPE_AND_DTYPE)
+    return same & checksums_known(rows) & rows.isin("pairing", *SAME_SHAPE_AND_DTYPE)
 
 
 def checksums_known(rows: Table) -> np.ndarray:
@@ -101,4 +101,4 @@ def data_differ(rows: Table, identical: np.ndarray) -> np.ndarray:
     it holds no rounding noise, and one changed sample in sixteen moves its statistics less than
     bf16's limits."""
     known = checksums_known(rows) & (rows["dtype_a"] == rows["dtype_b"])
-    return (rows["direction"] == "data") & known & ~identical & isin(rows.coded("pairing"), SAME_SHAPE_AND_DTYPE)
+    return rows.isin("direction", "data") & known & ~identical & rows.isin("pairing", *SAME_SHAPE_AND_DTYPE)

@@ -20,7 +20,7 @@ from pi0align.compare.judging.thresholds import looser_classes
 from pi0align.compare.judging.verdict import judge_rows
 from pi0align.compare.measuring.manifest import host_cpus_differ, same_initial_weights
 from pi0align.compare.reading.records import OUTPUT_ROLES
-from pi0align.compare.table import Table, gather, isin, lookup
+from pi0align.compare.table import Table, gather, lookup
 
 
 @dataclass(frozen=True)
@@ -142,4 +142,4 @@ def _introduced_per_row(rows: Table, calls: Table) -> np.ndarray:
     keys = ("rank", "step", "direction")
     call = lookup([*(rows.coded(k) for k in keys), rows["seq_a"]],
                   [*(calls.coded(k) for k in keys), calls["seq_a"].astype(np.float64)])
-    return np.where(isin(rows.coded("role"), OUTPUT_ROLES), gather(calls["introduced_error"], call, np.nan), np.nan)
+    return np.where(rows.isin("role", *OUTPUT_ROLES), gather(calls["introduced_error"], call, np.nan), np.nan)

@@ -26,7 +26,7 @@ from pi0align.compare.measuring.metrics import (
 )
 from pi0align.compare.reading.records import Dump
 from pi0align.compare.result import COMPARABLE
-from pi0align.compare.table import Coded, Table, concatenated, gather, isin
+from pi0align.compare.table import Coded, Table, concatenated, gather
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def measure_rank_pair(a: Dump, b: Dump, replay: bool, advance: Callable[[int], N
     }, length=len(ia), nullable_ints=("seq_a", "seq_b"))
     for metric in TENSOR_METRICS + STATS_METRICS:
         rows[metric] = np.full(len(ia), np.nan)
-    comparable = isin(rows.coded("pairing"), COMPARABLE)
+    comparable = rows.isin("pairing", *COMPARABLE)
     _fill_stats(rows, side_a, side_b, comparable)
     notes = []
     if a.mode == b.mode == "sample" and a.sample_reader and b.sample_reader:
@@ -192,7 +192,7 @@ def _update_steps(rows: Table, a: Dump, ia: np.ndarray) -> tuple[np.ndarray, np.
     has none), for the updates that were not recorded."""
     n = len(rows)
     step_of_update = np.full(n, np.nan)
-    updates = np.flatnonzero((rows["direction"] == "optimizer") & (ia >= 0))
+    updates = np.flatnonzero(rows.isin("direction", "optimizer") & (ia >= 0))
     if len(updates) and a.args_reader is not None:
         calls, steps = a.records["call"][ia[updates]], rows["step"][updates]
         sizes = {key: adam_step(a.args_reader(*key)) for key in set(zip(steps.tolist(), calls.tolist()))}
@@ -203,7 +203,7 @@ def _update_steps(rows: Table, a: Dump, ia: np.ndarray) -> tuple[np.ndarray, np.
         logged = dict(zip(metrics["step"].astype(np.int64).tolist(), metrics["lr"].astype(np.float64).tolist()))
         last = max(logged) + 1
         summed = np.concatenate([[0.0], np.cumsum([logged.get(step, np.nan) for step in range(last)])])
-        parameters = np.flatnonzero(rows["role"] == "parameter")
+        parameters = np.flatnonzero(rows.isin("role", "parameter"))
         steps = rows["step"][parameters]
         learning_rate_sum[parameters] = np.where(steps <= last, summed[np.minimum(steps, last)], np.nan)
     return step_of_update, learning_rate_sum
@@ -215,7 +215,7 @@ def _hyper_parameters(a: Dump, b: Dump) -> list[tuple[str, object, object]]:
         return []
     first = []
     for dump in (a, b):
-        found = np.flatnonzero(dump.records["direction"] == "optimizer")
+        found = np.flatnonzero(dump.records.isin("direction", "optimizer"))
         if not len(found):
             return []
         first.append(dump.args_reader(int(dump.records["step"][found[0]]), int(dump.records["call"][found[0]])))

@@ -92,7 +92,7 @@ class RecordedCalls:
         for i, key in enumerate(zip(self.steps.tolist(), self.calls.tolist())):
             self.records_of.setdefault(key, []).append(i)
         self.forward_of: dict[tuple[int, str], int] = {}
-        for i in np.flatnonzero(records["direction"] == "forward").tolist():
+        for i in np.flatnonzero(records.isin("direction", "forward")).tolist():
             self.forward_of.setdefault((int(self.steps[i]), str(records["name"][i])), int(self.calls[i]))
         self.cache: OrderedDict[tuple[int, str], np.ndarray] = OrderedDict()
         self.cached_bytes = 0

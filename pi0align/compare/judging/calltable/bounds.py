@@ -32,7 +32,7 @@ from pi0align.compare.judging.modules import is_module_api
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.measuring.arguments import adam_step_for
 from pi0align.compare.reading.records import function_names, subjects
-from pi0align.compare.table import Coded, KeyIndex, Table, lookup, mapped
+from pi0align.compare.table import Coded, KeyIndex, Table, isin, lookup, mapped
 from pi0align.dump.file_format import OPTIMIZER_API
 
 # An output error up to twice what the inputs and rounding explain is the spread of the measure
@@ -175,7 +175,7 @@ def conditions(of: CallRecords) -> tuple[np.ndarray, np.ndarray]:
         if len(at):
             apply(_at(len(calls), at, from_ratio(of.closeness_to_zero(at, index))), "quotient")
     for name, exponent in POWER_GRADIENTS.items():
-        at = np.flatnonzero((calls["direction"] == "backward") & (function == name))
+        at = np.flatnonzero(calls.isin("direction", "backward") & (function == name))
         saved = of.forward_call[at]
         ratio = np.full(len(at), np.nan)  # no forward call recorded: C = 1
         ratio[saved >= 0] = of.closeness_to_zero(saved[saved >= 0], 0)
@@ -187,7 +187,7 @@ def conditions(of: CallRecords) -> tuple[np.ndarray, np.ndarray]:
     apply(_at(len(calls), exponential, of.scale(exponential, "input", 0)), "exponential")
     softmax = np.flatnonzero(forward & np.isin(function, list(SOFTMAXES)))
     apply(_at(len(calls), softmax, 2.0 * of.scale(softmax, "input", 0)), "softmax")
-    softmax_gradient = np.flatnonzero((calls["direction"] == "backward") & np.isin(function, list(SOFTMAXES)))
+    softmax_gradient = np.flatnonzero(calls.isin("direction", "backward") & np.isin(function, list(SOFTMAXES)))
     apply(_at(len(calls), softmax_gradient, _softmax_gradient_conditions(calls, of, softmax_gradient)),
           "softmax gradient")
     log_softmax = np.flatnonzero(forward & np.isin(function, list(LOG_SOFTMAXES)))
@@ -230,7 +230,7 @@ class CallRecords:
     def record(self, at: np.ndarray, role: str, index) -> np.ndarray:
         """The row in `records` of each call's tensor of that role and argument index, -1 where none."""
         index = np.broadcast_to(np.asarray(index, np.int64), at.shape)
-        return self.index.rows([at, np.full(len(at), role, object), index])
+        return self.index.rows([at, Coded(np.array([role], object), np.zeros(len(at), np.int64)), index])
 
     def _of(self, column: np.ndarray, at: np.ndarray, role: str, index) -> np.ndarray:
         found = self.record(at, role, index)
@@ -248,13 +248,16 @@ class CallRecords:
         values = self.records[column].astype(np.float64)
         return np.stack([self._of(values, at, "input", index) for index in (0, 1)])
 
+    def _of_role(self, role: str) -> np.ndarray:
+        return isin(self.records.coded("role"), (role,))
+
     def count(self, role: str) -> np.ndarray:
         """Per call, how many tensors of that role it has."""
-        return np.bincount(self.call_of_record[self.records["role"] == role], minlength=self.n_calls)
+        return np.bincount(self.call_of_record[self._of_role(role)], minlength=self.n_calls)
 
     def input_norms(self, at: np.ndarray) -> np.ndarray:
         """Σ ‖inputs‖ of each call."""
-        mine = self.records["role"] == "input"
+        mine = self._of_role("input")
         return np.bincount(self.call_of_record[mine], np.nan_to_num(self.norms[mine]), minlength=self.n_calls)[at]
 
     def closeness_to_zero(self, at: np.ndarray, index: int) -> np.ndarray:
@@ -286,7 +289,7 @@ class CallRecords:
 
     def output_statistic_error(self, at: np.ndarray, metric: str) -> np.ndarray:
         """The largest error of one statistic over each call's outputs (0 where none is known)."""
-        mine = np.flatnonzero(np.isin(self.call_of_record, at) & (self.records["role"] == "output"))
+        mine = np.flatnonzero(np.isin(self.call_of_record, at) & self._of_role("output"))
         largest = np.zeros(self.n_calls)
         np.fmax.at(largest, self.call_of_record[mine], self.records[metric].astype(np.float64)[mine])
         return largest[at]
@@ -297,7 +300,7 @@ class CallRecords:
         """Per call, the row of the first forward call of the same rank, step and name (what a
         backward call's forward saved for it), -1 where there is none."""
         calls, keys = self.calls, ("rank", "step", "name")
-        forward = np.flatnonzero(calls["direction"] == "forward")
+        forward = np.flatnonzero(calls.isin("direction", "forward"))
         found = lookup([calls.coded(k) for k in keys], [calls.coded(k).take(forward) for k in keys])
         return np.where(found >= 0, forward[np.maximum(found, 0)] if len(forward) else -1, -1)
 
@@ -320,7 +323,7 @@ def _product_gradient_conditions(calls: Table, function: np.ndarray, of: CallRec
     """The gradients of products are products too: a factor's is g ⊙ the other factor, C = 2 where
     the forward call multiplied two tensors (1 by a number, or where it was not recorded); a
     power's is g ⊙ p x^(p-1), C = 2 as for the forward square. NaN elsewhere."""
-    at = np.flatnonzero((calls["direction"] == "backward") & np.isin(function, list(PRODUCTS | POWERS)))
+    at = np.flatnonzero(calls.isin("direction", "backward") & np.isin(function, list(PRODUCTS | POWERS)))
     saved = of.forward_call[at]
     factors = np.where(saved >= 0, of.count("input")[np.maximum(saved, 0)], 1)
     return _at(len(calls), at, np.where(np.isin(function[at], list(POWERS)), 2.0, np.minimum(2.0, factors)))
@@ -364,7 +367,7 @@ def _module_weights(calls: Table, of: CallRecords, at: np.ndarray) -> np.ndarray
     the input has fewer features than the output, the sum over positions' C of its smaller result)."""
     weights = np.full(len(at), -1, np.int64)
     module = np.flatnonzero(is_module_api(calls.coded("api").take(at))) if len(at) else at
-    parameters = np.flatnonzero(calls["direction"] == "parameter")
+    parameters = np.flatnonzero(calls.isin("direction", "parameter"))
     if not len(module) or not len(parameters):
         return weights
     names = np.array([f"{path}.weight" for path in calls["module"][at[module]].tolist()], object)
@@ -426,12 +429,12 @@ def result_conditions(of: CallRecords) -> tuple[np.ndarray, np.ndarray]:
     calls, records, call_of_record = of.calls, of.records, of.call_of_record
     condition, extremes = np.full(len(records), np.nan), np.full(len(records), np.nan)
     function = matmul_names(calls.coded("api"))
-    backward = np.flatnonzero((calls["direction"] == "backward") & np.isin(function, list(MATMULS)))
+    backward = np.flatnonzero(calls.isin("direction", "backward") & np.isin(function, list(MATMULS)))
     if not len(backward):
         return condition, extremes
     position = np.full(len(calls), -1, np.int64)
     position[backward] = np.arange(len(backward))
-    results = np.flatnonzero((position[call_of_record] >= 0) & (records["role"] == "grad_input"))
+    results = np.flatnonzero((position[call_of_record] >= 0) & records.isin("role", "grad_input"))
     k = position[call_of_record[results]]
     g = of.record(backward, "grad_output", 0)[k]
     operands = np.array([MATMULS[f] for f in function[backward].tolist()], np.int64).reshape(-1, 2)[k]
@@ -469,8 +472,8 @@ def step_bounds(of: CallRecords, error: np.ndarray) -> tuple[np.ndarray, np.ndar
     Returns the bounds, and the error of the parameter each update left."""
     calls, records = of.calls, of.records
     bound, left = np.full(len(calls), np.nan), np.full(len(calls), np.nan)
-    update = np.flatnonzero(calls["direction"] == "optimizer")
-    standing = np.flatnonzero((calls["direction"] == "parameter") & (calls["previous_step"] >= 0))
+    update = np.flatnonzero(calls.isin("direction", "optimizer"))
+    standing = np.flatnonzero(calls.isin("direction", "parameter") & (calls["previous_step"] >= 0))
     if not len(update) and not len(standing):
         return bound, left
     norm, numel = of.norms, of.numels
@@ -514,12 +517,12 @@ def _selection_conditions(calls: Table, records: Table, call_of_record: np.ndarr
     """Per selecting call, the largest over its outputs of ‖x‖ / ‖part‖ and max|x| / max|part| (the
     statistics' own scales: the norm's and the extremes'), x its first input; 1 elsewhere."""
     condition = np.ones(len(calls))
-    selecting = np.isin(function, list(SELECTIONS)) & (calls["direction"] == "forward")
+    selecting = np.isin(function, list(SELECTIONS)) & calls.isin("direction", "forward")
     if not selecting.any():
         return condition
     on = selecting[call_of_record]
-    whole = np.flatnonzero(on & (records["role"] == "input") & (records["arg_index"] == 0))
-    parts = np.flatnonzero(on & (records["role"] == "output"))
+    whole = np.flatnonzero(on & records.isin("role", "input") & (records["arg_index"] == 0))
+    parts = np.flatnonzero(on & records.isin("role", "output"))
     of_call = np.full(len(calls), -1, np.int64)
     of_call[call_of_record[whole]] = whole
     x = of_call[call_of_record[parts]]
@@ -548,9 +551,9 @@ def _summing_conditions(calls: Table, records: Table, call_of_record: np.ndarray
     """Per call, the largest reduction_condition of its backward results with fewer elements than
     its incoming gradient (1 where it has none)."""
     condition = np.ones(len(calls))
-    backward = records["direction"] == "backward"
-    incoming = np.flatnonzero(backward & (records["role"] == "grad_output") & (records["arg_index"] == 0))
-    results = np.flatnonzero(backward & (records["role"] == "grad_input"))
+    backward = records.isin("direction", "backward")
+    incoming = np.flatnonzero(backward & records.isin("role", "grad_output") & (records["arg_index"] == 0))
+    results = np.flatnonzero(backward & records.isin("role", "grad_input"))
     if not len(incoming) or not len(results):
         return condition
     norm = records["norm_a"].astype(np.float64)

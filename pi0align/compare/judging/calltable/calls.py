@@ -44,7 +44,7 @@ from pi0align.compare.judging.modules import enclosing_modules
 from pi0align.compare.judging.thresholds import class_roundoffs, unit_roundoffs
 from pi0align.compare.reading.records import INPUT_ROLES, OUTPUT_ROLES
 from pi0align.compare.result import CallRef
-from pi0align.compare.table import Groups, Table, isin, mapped
+from pi0align.compare.table import Groups, Table, mapped
 
 CALL_COLUMNS = ["rank", "step", "direction", "kind", "seq_a", "name", "module", "api", "input_error", "output_error",
                 "inputs_pass", "outputs_fail", "introduced_error", "condition", "condition_rule", "invariant_error",
@@ -57,13 +57,13 @@ CALL_COLUMNS = ["rank", "step", "direction", "kind", "seq_a", "name", "module", 
 def judged_records(verdict: np.ndarray, rows: Table) -> np.ndarray:
     """Records that take part in the call table: judged, of a phase of the step."""
     of_a_phase = mapped(rows.coded("direction"), lambda direction: direction in PHASES, bool)
-    return (verdict != "n/a") & (of_a_phase | (rows["role"] == "parameter_grad"))  # call_directions in PHASES
+    return (verdict != "n/a") & (of_a_phase | rows.isin("role", "parameter_grad"))  # call_directions in PHASES
 
 
 def producers(rows: Table, judged: np.ndarray, identity: np.ndarray) -> np.ndarray:
     """Per record, the judged record (`judged`: judged_records) that produced its tensor (a call's
     result, a parameter, the batch: identity.produced), -1 where none did."""
-    return produced(rows, identity, isin(rows.coded("role"), RESULT_ROLES) & judged)
+    return produced(rows, identity, rows.isin("role", *RESULT_ROLES) & judged)
 
 
 def call_table(rows: Table, verdict: np.ndarray, judged: np.ndarray, rounding: np.ndarray, identity: np.ndarray,
@@ -128,8 +128,8 @@ def _grouped_calls(judged: Table, groups: Groups, channels: Table, use: np.ndarr
     sources, error, metric = (channels[c][use] for c in ("source", "error", "metric"))
     summed, extremes, spread, summed_sources = (np.nan_to_num(np.where(rounding, np.nan, channels[c][use]))
                                                 for c in ("summed", "extremes", "spread", "summed_source"))
-    is_in = isin(judged.coded("role"), INPUT_ROLES)
-    is_out = isin(judged.coded("role"), (*OUTPUT_ROLES, "parameter", "parameter_grad"))
+    is_in = judged.isin("role", *INPUT_ROLES)
+    is_out = judged.isin("role", *OUTPUT_ROLES, "parameter", "parameter_grad")
     roundoff = class_roundoffs(judged.coded("dtype_class"))
     first = groups.first
     identical = judged["identical"].astype(bool)
@@ -205,7 +205,7 @@ def _add_saved_tensors(calls: Table, saved: np.ndarray) -> None:
     """A backward call also reads what its forward call saved (its inputs and outputs; `saved`: each
     call's forward call, CallRecords.forward_call): count the forward call's error as input error of
     the backward call of the same name."""
-    backward = (calls["direction"] == "backward") & (saved >= 0)
+    backward = calls.isin("direction", "backward") & (saved >= 0)
     source = saved[backward]
     saved_error = np.maximum(calls["input_error"][source], calls["output_error"][source])
     calls["input_error"][backward] = np.fmax(calls["input_error"][backward], saved_error)

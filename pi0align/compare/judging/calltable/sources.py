@@ -14,13 +14,13 @@ from pi0align.compare.judging.calltable.bounds import (
 from pi0align.compare.judging.identity import gradient_sources
 from pi0align.compare.judging.modules import enclosing_paths, is_module
 from pi0align.compare.reading.records import subjects
-from pi0align.compare.table import Groups, Table, gather, isin, lookup
+from pi0align.compare.table import Groups, Table, gather, lookup
 
 
 def add_module_parameters(calls: Table, judged: Table, error: np.ndarray, fail: np.ndarray) -> None:
     """A module call also reads its parameters and those of the modules below it, as the step's
     forward first read them (the parameter records): their error is the module call's input error."""
-    params = np.flatnonzero(judged["role"] == "parameter")
+    params = np.flatnonzero(judged.isin("role", "parameter"))
     if not len(params):
         return
     worst: dict[tuple, list] = {}  # (rank, step, module path or an ancestor) -> [error, fail, identical]
@@ -33,7 +33,7 @@ def add_module_parameters(calls: Table, judged: Table, error: np.ndarray, fail: 
             entry[0] = max(entry[0], float(0.0 if np.isnan(error[i]) else error[i]))
             entry[1] |= bool(fail[i])
             entry[2] &= bool(identical[i])
-    modules = np.flatnonzero(is_module(calls) & (calls["direction"] == "forward"))
+    modules = np.flatnonzero(is_module(calls) & calls.isin("direction", "forward"))
     for i in modules.tolist():
         entry = worst.get((int(calls["rank"][i]), int(calls["step"][i]), str(calls["module"][i])))
         if entry is not None:
@@ -50,7 +50,7 @@ def parameter_calls(calls: Table, before: Table | None = None) -> Table:
     """Of these calls and `before` (an earlier result of this function), the latest call of each
     parameter, its gradient and its update (PARAMETER_DIRECTIONS), by step: what the next steps'
     parameters read (`call_table`'s `parameters_before`)."""
-    mine = calls.take(isin(calls.coded("direction"), PARAMETER_DIRECTIONS))
+    mine = calls.take(calls.isin("direction", *PARAMETER_DIRECTIONS))
     both = Table.concat([before.select(mine.columns), mine]) if before is not None else mine
     latest = np.lexsort((-both["step"], both["direction"], subjects(both["name"]), both["rank"]))
     both = both.take(latest)
@@ -70,7 +70,7 @@ def add_parameter_sources(calls: Table, before: Table | None, noisy_start: bool)
     (`previous_step` 0 and `from_start`), whose gradients were not dumped; the gradient of its own
     step tells their error. `before`: calls of earlier steps (`parameter_calls`)."""
     own = len(calls)
-    param = np.flatnonzero(calls["direction"] == "parameter")
+    param = np.flatnonzero(calls.isin("direction", "parameter"))
     if not len(param):
         return
     known = calls.select(_SOURCE_COLUMNS)  # these calls, then those before them
@@ -112,11 +112,11 @@ def add_gradient_sources(calls: Table, rows: Table, identity: np.ndarray, error:
     where none of them was dumped (a dump at level module), the module owning the parameter
     computed it: the input error of that module's backward call, or where that module was not
     dumped either (filtered out), of the innermost dumped module around it, which ran its code."""
-    gradient = np.flatnonzero(calls["direction"] == "gradient")
+    gradient = np.flatnonzero(calls.isin("direction", "gradient"))
     if not len(gradient):
         return
     bound, readers_fail = gradient_sources(rows, identity, error, failing)
-    grad_rows = np.flatnonzero(rows["role"] == "parameter_grad")
+    grad_rows = np.flatnonzero(rows.isin("role", "parameter_grad"))
     keys = ("rank", "step", "name")
     at = lookup([calls[k][gradient] for k in keys], [rows[k][grad_rows] for k in keys])
     row = np.where(at >= 0, grad_rows[np.maximum(at, 0)], -1)
@@ -126,7 +126,7 @@ def add_gradient_sources(calls: Table, rows: Table, identity: np.ndarray, error:
     unknown = gradient[np.isnan(calls["input_error"][gradient])]
     if not len(unknown):
         return
-    backward_modules = np.flatnonzero(is_module(calls) & (calls["direction"] == "backward"))
+    backward_modules = np.flatnonzero(is_module(calls) & calls.isin("direction", "backward"))
     owner = _owning_module_calls(calls, unknown, backward_modules)
     found = owner >= 0
     module_call = backward_modules[owner[found]]

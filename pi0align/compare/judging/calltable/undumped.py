@@ -38,7 +38,7 @@ def add_inside_errors(calls: Table, rows: Table, call_of_row: np.ndarray, produc
     if not (parent >= 0).any():
         return
     in_table = call_of_row >= 0
-    forward = rows["direction"] == "forward"
+    forward = rows.isin("direction", "forward")
     seq = rows["seq_a"].astype(np.float64)
 
     def enclosing(call: int):
@@ -47,7 +47,7 @@ def add_inside_errors(calls: Table, rows: Table, call_of_row: np.ndarray, produc
             yield module
             module = parent[module]
 
-    outputs = np.flatnonzero(forward & (rows["role"] == "output") & in_table)
+    outputs = np.flatnonzero(forward & rows.isin("role", "output") & in_table)
     made_inside: dict[int, set] = {}  # module call -> identities its calls' outputs hold
     read_inside: dict[int, list[int]] = {}  # module call -> its calls' output rows
     last_inside = np.full(n, np.nan)  # per module call, the sequence number of its last call
@@ -60,7 +60,7 @@ def add_inside_errors(calls: Table, rows: Table, call_of_row: np.ndarray, produc
     module_end = gather(last_inside, call_of_row, np.nan)
     made_at = np.where(np.isnan(module_end), seq, module_end + 0.5)
     undumped = [(module, row) for row in
-                np.flatnonzero(forward & (rows["role"] == "input") & in_table & failing & (producer < 0)).tolist()
+                np.flatnonzero(forward & rows.isin("role", "input") & in_table & failing & (producer < 0)).tolist()
                 for module in enclosing(call_of_row[row])]
     undumped += [(call_of_row[row], row) for row in outputs[failing[outputs]].tolist()
                  if calls["with_calls_inside"][call_of_row[row]]
@@ -116,9 +116,9 @@ def model_input_rows(calls: Table, rows: Table, call_of_row: np.ndarray, produce
     rows that stand for the batch: forward inputs that no dumped call, parameter or batch record
     produced, that require no gradient where the dump says (msprobe's do: weights and activations
     do), else read by calls that no module holds; of each such tensor, its first reader's row."""
-    data = calls["direction"] == "data"
+    data = calls.isin("direction", "data")
     grad = requires_grad(rows)
-    read = (rows["direction"] == "forward") & (rows["role"] == "input") & (call_of_row >= 0) & (producer < 0)
+    read = rows.isin("direction", "forward") & rows.isin("role", "input") & (call_of_row >= 0) & (producer < 0)
     read &= np.where(grad >= 0, grad == 0, gather(parent, call_of_row, 0) < 0)
     read &= lookup([rows["rank"], rows["step"]], [calls["rank"][data], calls["step"][data]]) < 0
     first = np.zeros(len(rows), bool)
