@@ -233,6 +233,12 @@ def mapped(values: np.ndarray | Coded, function: Callable[[Any], Any], dtype: An
     return np.fromiter(map(of.__getitem__, items), dtype, len(items))
 
 
+def recoded(values: Coded, function: Callable[[Any], Any]) -> Coded:
+    """function(value) of each row, coded: called once per distinct value."""
+    of_distinct = Coded.of(mapped(values.distinct, function))
+    return of_distinct.take(values.codes)
+
+
 def isin(values: np.ndarray | Coded, choices: Iterable[Any]) -> np.ndarray:
     """Mask of the values equal to one of `choices` (a few), for text columns too."""
     if isinstance(values, Coded):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pi0align.compare.reading.records import DIRECTIONS, function_names
-from pi0align.compare.table import Coded, Table, isin, mapped
+from pi0align.compare.reading.records import DIRECTIONS, function_name
+from pi0align.compare.table import Coded, Table, isin, mapped, recoded
 from pi0align.dump.file_format import RANDOM_FUNCTIONS
 
 # kind of culprit by the direction of its call ("parameter": initial_weights or parameters)
@@ -49,8 +49,7 @@ def kinds(calls: Table, first_step: int) -> np.ndarray:
     data: judged as any call (two hosts' kernels round its transform otherwise), one beyond that
     rounding was drawn from another generator state."""
     kind = mapped(calls.coded("direction"), lambda direction: KIND_OF_DIRECTION.get(direction, "parameters"))
-    api = calls.coded("api")
-    kind[(kind == "call") & isin(function_names(api.distinct), RANDOM_FUNCTIONS)[api.codes]] = "data"
+    kind[(kind == "call") & isin(recoded(calls.coded("api"), function_name), RANDOM_FUNCTIONS)] = "data"
     kind[(kind == "parameters") & (calls["step"] == 0) & (first_step == 0)] = "initial_weights"
     kind[calls.isin("direction", "parameter") & (calls["previous_step"] >= 0)] = "optimizer"
     return kind

@@ -72,7 +72,7 @@ def replay_ratio_limit(unit: np.ndarray) -> np.ndarray:
 
 
 def wrong_sides(e_a: np.ndarray, e_b: np.ndarray, u_a: np.ndarray, u_b: np.ndarray, condition: np.ndarray = 1.0,
-                rule: np.ndarray = "", api: np.ndarray = ""):
+                rule: np.ndarray = "", api: np.ndarray | Coded = ""):
     """(B wrong, A wrong, the wrong side's local error over the other's, floored) from both sides'
     local errors and their results' unit roundoffs; the call's condition, its rule and its API, for
     how much its own rounding grows (bounds.rounding_floor: a sum's whose terms cancel)."""
@@ -123,7 +123,7 @@ def judge(calls: Table, fallback: str, exact: bool = False, earlier: Sequence[Po
     u_a, u_b = calls["unit_a"].astype(np.float64), calls["unit_b"].astype(np.float64)
     replayed = ~np.isnan(e_a) & ~np.isnan(e_b)
     b_wrong, a_wrong, local_ratio = wrong_sides(e_a, e_b, u_a, u_b, calls["condition"], calls["condition_rule"],
-                                                calls["api"])
+                                                calls.coded("api"))
     b_wrong &= replayed
     a_wrong &= replayed
     module = is_module(calls)

@@ -93,10 +93,15 @@ def subjects(names: np.ndarray) -> np.ndarray:
     return mapped(names, lambda name: str(name).rpartition("/")[0])
 
 
-def function_names(apis: np.ndarray) -> np.ndarray:
-    """The function each API names, what follows its last dot (`Functional.linear` -> `linear`,
+def function_name(api: str) -> str:
+    """The function an API names, what follows its last dot (`Functional.linear` -> `linear`,
     `Module.Linear` -> `Linear`)."""
-    return mapped(apis, lambda api: str(api).rpartition(".")[2])
+    return str(api).rpartition(".")[2]
+
+
+def function_names(apis: np.ndarray) -> np.ndarray:
+    """function_name of each API."""
+    return mapped(apis, function_name)
 
 
 def no_records() -> Table:

@@ -31,8 +31,8 @@ import numpy as np
 from pi0align.compare.judging.modules import is_module_api
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.measuring.arguments import adam_step_for
-from pi0align.compare.reading.records import function_names, subjects
-from pi0align.compare.table import Coded, KeyIndex, Table, isin, lookup, mapped
+from pi0align.compare.reading.records import function_name, subjects
+from pi0align.compare.table import Coded, KeyIndex, Table, isin, lookup, mapped, recoded
 from pi0align.dump.file_format import OPTIMIZER_API
 
 # An output error up to twice what the inputs and rounding explain is the spread of the measure
@@ -93,11 +93,11 @@ SUMMING_RULES = frozenset({"matmul", "reduction", "gradient sum", "softmax gradi
 UPDATE_ROUNDINGS = 2.0
 
 
-def matmul_names(api: np.ndarray | Coded) -> np.ndarray:
-    """Each API's function name in lower case, by which a module of the matmul family is one
+def matmul_name(api: str) -> str:
+    """An API's function name in lower case, by which a module of the matmul family is one
     (`Module.Linear` -> `linear`) wherever MATMULS is looked up."""
-    apis = api if isinstance(api, Coded) else np.atleast_1d(np.asarray(api, object))
-    return mapped(apis, lambda name: str(name).rpartition(".")[2].lower())
+    return function_name(api).lower()
+
 
 
 def half_precision(unit: np.ndarray) -> np.ndarray:
@@ -117,7 +117,7 @@ def rounding_scale(condition: np.ndarray, rule: np.ndarray) -> np.ndarray:
     return np.where(np.isin(np.asarray(rule, object), list(SUMMING_RULES)), condition, 1.0)
 
 
-def rounding_floor(unit: np.ndarray, condition: np.ndarray, rule: np.ndarray, api: np.ndarray) -> np.ndarray:
+def rounding_floor(unit: np.ndarray, condition: np.ndarray, rule: np.ndarray, api: np.ndarray | Coded) -> np.ndarray:
     """The error a call's own rounding may put on its result (on both sides): F × u × S. The matmul
     family's kernels, forward and backward, accumulate in float32 at least (every device's GEMMs in
     half precision; a product of two half-precision numbers is exact in float32) and round their
@@ -129,9 +129,9 @@ def rounding_floor(unit: np.ndarray, condition: np.ndarray, rule: np.ndarray, ap
     family (`Module.Linear`: msprobe's dumps may hold its backward and not its linear's) is one.
     An optimizer's update is several operations: UPDATE_ROUNDINGS × F u."""
     unit = np.asarray(unit, np.float64)
-    api = np.atleast_1d(np.asarray(api, object))
-    accumulator = np.where(np.isin(matmul_names(api), list(MATMULS)), np.minimum(unit, UNIT_ROUNDOFF["float32"]), unit)
-    own = noise_floor(unit) * np.where(api == OPTIMIZER_API, UPDATE_ROUNDINGS, 1.0)
+    apis = api if isinstance(api, Coded) else Coded.of(np.atleast_1d(np.asarray(api, object)))
+    accumulator = np.where(isin(recoded(apis, matmul_name), MATMULS), np.minimum(unit, UNIT_ROUNDOFF["float32"]), unit)
+    own = noise_floor(unit) * np.where(isin(apis, (OPTIMIZER_API,)), UPDATE_ROUNDINGS, 1.0)
     return np.maximum(own, noise_floor(accumulator) * rounding_scale(condition, rule))
 
 
@@ -140,8 +140,8 @@ def invariant_errors(of: CallRecords) -> np.ndarray:
     mean: every row sums to one), 0 where it keeps none. Its records as for `conditions`, with
     `mean_val_rel_err`."""
     calls = of.calls
-    function = function_names(calls.coded("api"))
-    softmax = np.flatnonzero((calls["direction"].astype(object) != "backward") & np.isin(function, list(SOFTMAXES)))
+    function = recoded(calls.coded("api"), function_name)
+    softmax = np.flatnonzero((~calls.isin("direction", "backward")) & isin(function, SOFTMAXES))
     invariant = np.zeros(len(calls))
     invariant[softmax] = np.nan_to_num(of.output_statistic_error(softmax, "mean_val_rel_err"))
     return invariant
@@ -155,8 +155,8 @@ def conditions(of: CallRecords) -> tuple[np.ndarray, np.ndarray]:
     (`reduction_condition`) or its selecting a part of its input (SELECTIONS: ‖x‖ / ‖part‖, all of
     the input's error may sit in the part)."""
     calls, records, call_of_record = of.calls, of.records, of.call_of_record
-    function = function_names(calls.coded("api"))
-    forward = calls["direction"].astype(object) != "backward"
+    function = recoded(calls.coded("api"), function_name)
+    forward = ~calls.isin("direction", "backward")
     condition, rule = np.ones(len(calls)), np.full(len(calls), "", object)
 
     def apply(values: np.ndarray, name: str) -> None:
@@ -166,38 +166,38 @@ def conditions(of: CallRecords) -> tuple[np.ndarray, np.ndarray]:
 
     apply(_summing_conditions(calls, records, call_of_record), "gradient sum")
     apply(_selection_conditions(calls, records, call_of_record, function), "selection")
-    apply(np.where(forward & np.isin(function, list(PRODUCTS)), np.minimum(2.0, of.count("input")), 1.0), "product")
+    apply(np.where(forward & isin(function, PRODUCTS), np.minimum(2.0, of.count("input")), 1.0), "product")
     apply(_row_scaled_product_conditions(function, forward, of), "row-scaled product")
-    apply(np.where(forward & np.isin(function, list(POWERS)), 2.0, 1.0), "power")
+    apply(np.where(forward & isin(function, POWERS), 2.0, 1.0), "power")
     apply(_product_gradient_conditions(calls, function, of), "product gradient")
     for name, (index, from_ratio) in QUOTIENTS.items():
-        at = np.flatnonzero(forward & (function == name))
+        at = np.flatnonzero(forward & isin(function, (name,)))
         if len(at):
             apply(_at(len(calls), at, from_ratio(of.closeness_to_zero(at, index))), "quotient")
     for name, exponent in POWER_GRADIENTS.items():
-        at = np.flatnonzero(calls.isin("direction", "backward") & (function == name))
+        at = np.flatnonzero(calls.isin("direction", "backward") & isin(function, (name,)))
         saved = of.forward_call[at]
         ratio = np.full(len(at), np.nan)  # no forward call recorded: C = 1
         ratio[saved >= 0] = of.closeness_to_zero(saved[saved >= 0], 0)
         apply(_at(len(calls), at, 1.0 + abs(exponent - 1.0) * ratio), "quotient gradient")
-    addition = np.flatnonzero(forward & np.isin(function, list(ADDITIONS)))
+    addition = np.flatnonzero(forward & isin(function, ADDITIONS))
     with np.errstate(divide="ignore", invalid="ignore"):
         apply(_at(len(calls), addition, of.input_norms(addition) / of.norm(addition, "output", 0)), "cancellation")
-    exponential = np.flatnonzero(forward & np.isin(function, list(EXPONENTIALS)))
+    exponential = np.flatnonzero(forward & isin(function, EXPONENTIALS))
     apply(_at(len(calls), exponential, of.scale(exponential, "input", 0)), "exponential")
-    softmax = np.flatnonzero(forward & np.isin(function, list(SOFTMAXES)))
+    softmax = np.flatnonzero(forward & isin(function, SOFTMAXES))
     apply(_at(len(calls), softmax, 2.0 * of.scale(softmax, "input", 0)), "softmax")
-    softmax_gradient = np.flatnonzero(calls.isin("direction", "backward") & np.isin(function, list(SOFTMAXES)))
+    softmax_gradient = np.flatnonzero(calls.isin("direction", "backward") & isin(function, SOFTMAXES))
     apply(_at(len(calls), softmax_gradient, _softmax_gradient_conditions(calls, of, softmax_gradient)),
           "softmax gradient")
-    log_softmax = np.flatnonzero(forward & np.isin(function, list(LOG_SOFTMAXES)))
+    log_softmax = np.flatnonzero(forward & isin(function, LOG_SOFTMAXES))
     with np.errstate(divide="ignore", invalid="ignore"):
         spread = of.scale(log_softmax, "input", 0) / of.scale(log_softmax, "output", 0)
     apply(_at(len(calls), log_softmax, 2.0 * spread), "softmax")
-    normalization = np.flatnonzero(forward & np.isin(function, list(NORMALIZATIONS)))
+    normalization = np.flatnonzero(forward & isin(function, NORMALIZATIONS))
     apply(_at(len(calls), normalization, of.rms_over_std(normalization)), "normalization")
     for name, scaling in REDUCTIONS.items():
-        at = np.flatnonzero(forward & (function == name))
+        at = np.flatnonzero(forward & isin(function, (name,)))
         if len(at):
             apply(_at(len(calls), at, of.reduction(at, scaling)), "reduction")
     apply(_matmul_conditions(calls, of), "matmul")
@@ -323,10 +323,10 @@ def _product_gradient_conditions(calls: Table, function: np.ndarray, of: CallRec
     """The gradients of products are products too: a factor's is g ⊙ the other factor, C = 2 where
     the forward call multiplied two tensors (1 by a number, or where it was not recorded); a
     power's is g ⊙ p x^(p-1), C = 2 as for the forward square. NaN elsewhere."""
-    at = np.flatnonzero(calls.isin("direction", "backward") & np.isin(function, list(PRODUCTS | POWERS)))
+    at = np.flatnonzero(calls.isin("direction", "backward") & isin(function, PRODUCTS | POWERS))
     saved = of.forward_call[at]
     factors = np.where(saved >= 0, of.count("input")[np.maximum(saved, 0)], 1)
-    return _at(len(calls), at, np.where(np.isin(function[at], list(POWERS)), 2.0, np.minimum(2.0, factors)))
+    return _at(len(calls), at, np.where(isin(function.take(at), POWERS), 2.0, np.minimum(2.0, factors)))
 
 
 def _row_scaled_product_conditions(function: np.ndarray, forward: np.ndarray, of: CallRecords) -> np.ndarray:
@@ -336,7 +336,7 @@ def _row_scaled_product_conditions(function: np.ndarray, forward: np.ndarray, of
     one element of s, so its relative error is at most ρ_a + ρ_s, and so is the whole's. NaN (the
     rule not taken) elsewhere, and where a factor's rows were not measured (statistics, samples)."""
     condition = np.full(of.n_calls, np.nan)
-    at = np.flatnonzero(forward & np.isin(function, list(MULTIPLICATIONS)) & (of.count("input") == 2))
+    at = np.flatnonzero(forward & isin(function, MULTIPLICATIONS) & (of.count("input") == 2))
     if not len(at):
         return condition
     shapes = of.records["shape_a"]
@@ -387,12 +387,12 @@ def _matmul_conditions(calls: Table, of: CallRecords, per_product: bool = True) 
     nothing cancels (PI0 tiny's eager attention, batch 8 × 8 heads: C was 8, and its scores 5 %
     off were within it wherever their inputs already differed), taken alike across the batch; a
     weight shared by the batch (a linear's) is one operand of every product, and no batch."""
-    function = matmul_names(calls.coded("api"))
+    function = recoded(calls.coded("api"), matmul_name)
     condition = np.full(len(function), np.nan)
-    matmul = np.flatnonzero(np.isin(function, list(MATMULS)))
+    matmul = np.flatnonzero(isin(function, MATMULS))
     if not len(matmul):
         return condition
-    operands = np.array([MATMULS[f] for f in function[matmul].tolist()], np.int64).reshape(-1, 2)
+    operands = np.array([MATMULS[f] for f in function.take(matmul).values.tolist()], np.int64).reshape(-1, 2)
     first, second = of.record(matmul, "input", operands[:, 0]), of.record(matmul, "input", operands[:, 1])
     second = np.where(second < 0, _module_weights(calls, of, matmul), second)
     result = of.record(matmul, "output", 0)
@@ -428,8 +428,8 @@ def result_conditions(of: CallRecords) -> tuple[np.ndarray, np.ndarray]:
     over positions (a bias's): reduction_condition."""
     calls, records, call_of_record = of.calls, of.records, of.call_of_record
     condition, extremes = np.full(len(records), np.nan), np.full(len(records), np.nan)
-    function = matmul_names(calls.coded("api"))
-    backward = np.flatnonzero(calls.isin("direction", "backward") & np.isin(function, list(MATMULS)))
+    function = recoded(calls.coded("api"), matmul_name)
+    backward = np.flatnonzero(calls.isin("direction", "backward") & isin(function, MATMULS))
     if not len(backward):
         return condition, extremes
     position = np.full(len(calls), -1, np.int64)
@@ -437,7 +437,7 @@ def result_conditions(of: CallRecords) -> tuple[np.ndarray, np.ndarray]:
     results = np.flatnonzero((position[call_of_record] >= 0) & records.isin("role", "grad_input"))
     k = position[call_of_record[results]]
     g = of.record(backward, "grad_output", 0)[k]
-    operands = np.array([MATMULS[f] for f in function[backward].tolist()], np.int64).reshape(-1, 2)[k]
+    operands = np.array([MATMULS[f] for f in function.take(backward).values.tolist()], np.int64).reshape(-1, 2)[k]
     arg = records["arg_index"][results]
     towards_operand = (operands == arg[:, None]).any(axis=1)
     other_operand = np.where(operands[:, 0] == arg, operands[:, 1], operands[:, 0])
@@ -517,7 +517,7 @@ def _selection_conditions(calls: Table, records: Table, call_of_record: np.ndarr
     """Per selecting call, the largest over its outputs of ‖x‖ / ‖part‖ and max|x| / max|part| (the
     statistics' own scales: the norm's and the extremes'), x its first input; 1 elsewhere."""
     condition = np.ones(len(calls))
-    selecting = np.isin(function, list(SELECTIONS)) & calls.isin("direction", "forward")
+    selecting = isin(function, SELECTIONS) & calls.isin("direction", "forward")
     if not selecting.any():
         return condition
     on = selecting[call_of_record]

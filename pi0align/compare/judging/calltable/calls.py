@@ -184,7 +184,7 @@ def _introduced(calls: Table, results: Table, first_step: int) -> Table:
     calls = calls.take(calls["output_error"] > -np.inf)
     calls["kind"] = kinds(calls, first_step)
     calls["inputs_pass"] = ~calls["inputs_fail"]
-    calls["floor"] = rounding_floor(calls["unit"], calls["condition"], calls["condition_rule"], calls["api"])
+    calls["floor"] = rounding_floor(calls["unit"], calls["condition"], calls["condition_rule"], calls.coded("api"))
     by_channel, calls["bound_condition"] = introduced_by_channel(calls, results)
     with np.errstate(divide="ignore", invalid="ignore"):
         calls["introduced_error"] = np.fmax(np.where(calls["with_calls_inside"], calls["inside_introduced"],

@@ -81,7 +81,7 @@ def introduced_by_channel(calls: Table, results: Table) -> tuple[np.ndarray, np.
     extremes_condition = np.fmax(condition, np.where(own, results["condition_extremes"],
                                                      calls["condition_extremes"][c]))
     unit, input_error = calls["unit"][c], calls["input_error"][c]
-    floor = rounding_floor(unit, condition, calls["condition_rule"][c], calls["api"][c])
+    floor = rounding_floor(unit, condition, calls["condition_rule"][c], calls.coded("api").take(c))
     spread = np.where(half_precision(unit), calls["input_spread"][c], 0.0)
     ratio = channel_ratios(results["summed"], results["extremes"], results["numel"], input_error,
                            calls["input_summed"][c], spread, condition, extremes_condition, floor)
