@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -137,5 +138,8 @@ def test_a_coded_column_gives_every_helper_the_answer_its_text_gives(data):
     lazily = table.taken_when_read(rows)
     lazily["api"] = TEXT(*["new"] * len(rows))  # set on the rows taken, not their source
     assert lazily.coded("api").values.tolist() == ["new"] * len(rows)
+    if length:  # a coded column is read-only: its codes would not follow a change in place
+        with pytest.raises(ValueError):
+            table["api"][0] = "changed"
     table["role"] = TEXT(*["x"] * length)  # set again: its codes are the new column's
     assert table.coded("role").values.tolist() == ["x"] * length

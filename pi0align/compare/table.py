@@ -84,6 +84,7 @@ class Table:
         if isinstance(values, Coded):
             self[name] = values.values
             self._coded[name] = values
+            self._columns[name].flags.writeable = False
             return
         if np.ndim(values) == 0:
             if self._length is None:
@@ -102,10 +103,11 @@ class Table:
         return list(self._columns)
 
     def coded(self, name: str) -> Coded:
-        """Column `name` coded, once per table (the codes follow its rows into tables taken from it).
-        The column must not be changed in place after."""
+        """Column `name` coded, once per table (the codes follow its rows into tables taken from it);
+        the column is read-only from then on: its codes would not follow a change in place."""
         if name not in self._coded:
             self._coded[name] = Coded.of(self[name])
+            self[name].flags.writeable = False
         return self._coded[name]
 
     def isin(self, name: str, *values: Any) -> np.ndarray:
@@ -206,8 +208,11 @@ class TakenRows(Table):
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._columns:
-            self._columns[name] = self.coded(name).values if name in self._source._coded else \
-                self._source[name][self._rows]
+            if name in self._source._coded:
+                self._columns[name] = self.coded(name).values
+                self._columns[name].flags.writeable = False
+            else:
+                self._columns[name] = self._source[name][self._rows]
         return self._columns[name]
 
     def coded(self, name: str) -> Coded:
