@@ -125,8 +125,10 @@ class Table:
         return self._taken(slice(start, stop), stop - start)
 
     def _taken(self, rows: np.ndarray | slice, length: int) -> Table:
-        return Table({name: self._coded[name].take(rows) if name in self._coded else self[name][rows]
-                      for name in self.columns}, length=length, nullable_ints=self.nullable_ints)
+        taken = Table({name: self[name][rows] for name in self.columns}, length=length,
+                      nullable_ints=self.nullable_ints)
+        taken._coded = {name: coded.take(rows) for name, coded in self._coded.items()}
+        return taken
 
     def taken_when_read(self, rows: np.ndarray) -> Table:
         """`take(rows)`, each column taken when first read (TakenRows): for a table read through a

@@ -69,7 +69,7 @@ def measure_rank_pair(a: Dump, b: Dump, replay: bool, advance: Callable[[int], N
     side_a, side_b = _Side(ra, ia), _Side(rb, ib)
     either = np.where(ia >= 0, ia, len(ra) + ib)  # a's record where there is one, else b's
     pick = lambda column: np.concatenate([ra[column], rb[column]])[either]
-    picked_coded = lambda column: concatenated(ra.coded(column), rb.coded(column)).take(either)  # noqa: E731
+    picked_coded = lambda column: concatenated(ra.coded(column), rb.coded(column)).take(either)
     rows = Table({
         "step": pick("step").astype(np.int64),
         "seq_a": side_a.values("seq", np.nan), "seq_b": side_b.values("seq", np.nan),
