@@ -240,10 +240,16 @@ def mapped(values: np.ndarray | Coded, function: Callable[[Any], Any], dtype: An
     return np.fromiter(map(of.__getitem__, items), dtype, len(items))
 
 
-def recoded(values: Coded, function: Callable[[Any], Any]) -> Coded:
-    """function(value) of each row, coded: called once per distinct value."""
-    of_distinct = Coded.of(mapped(values.distinct, function))
-    return of_distinct.take(values.codes)
+def recoded(function: Callable[..., Any], *columns: np.ndarray | Coded) -> Coded:
+    """function(*values) of each row's values in `columns`, coded: called once per distinct tuple of
+    them (of one coded column, once per its distinct value)."""
+    if len(columns) == 1 and isinstance(columns[0], Coded):
+        return Coded.of(mapped(columns[0].distinct, function)).take(columns[0].codes)
+    tuple_codes, count = key_codes(*columns)
+    row = row_of_each(tuple_codes, count)
+    values = [(column.take(row).values if isinstance(column, Coded) else np.asarray(column)[row]).tolist()
+              for column in columns]
+    return Coded.of(np.array([function(*each) for each in zip(*values)], object)).take(tuple_codes)
 
 
 def isin(values: np.ndarray | Coded, choices: Iterable[Any]) -> np.ndarray:

@@ -23,11 +23,8 @@ PHASES = DIRECTIONS  # a step's parts in execution order
 
 def call_directions(rows: Table) -> Coded:
     """The direction of the call each record belongs to: a parameter's gradient is a call of its own."""
-    role, direction = rows.coded("role"), rows.coded("direction")
-    distinct = np.array(sorted({*direction.distinct.tolist(), "gradient"}), object)
-    gradient = int(np.searchsorted(distinct, "gradient"))
-    own = np.searchsorted(distinct, direction.distinct)[direction.codes] if len(direction.distinct) else direction.codes
-    return Coded(distinct, np.where(isin(role, ("parameter_grad",)), gradient, own))
+    gradient = rows.isin("role", "parameter_grad")
+    return rows.coded("direction").gathered(np.where(gradient, -1, np.arange(len(rows))), "gradient")
 
 
 def phases(directions: np.ndarray) -> np.ndarray:
@@ -49,7 +46,7 @@ def kinds(calls: Table, first_step: int) -> np.ndarray:
     data: judged as any call (two hosts' kernels round its transform otherwise), one beyond that
     rounding was drawn from another generator state."""
     kind = mapped(calls.coded("direction"), lambda direction: KIND_OF_DIRECTION.get(direction, "parameters"))
-    kind[(kind == "call") & isin(recoded(calls.coded("api"), function_name), RANDOM_FUNCTIONS)] = "data"
+    kind[(kind == "call") & isin(recoded(function_name, calls.coded("api")), RANDOM_FUNCTIONS)] = "data"
     kind[(kind == "parameters") & (calls["step"] == 0) & (first_step == 0)] = "initial_weights"
     kind[calls.isin("direction", "parameter") & (calls["previous_step"] >= 0)] = "optimizer"
     return kind

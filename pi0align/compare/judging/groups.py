@@ -12,7 +12,7 @@ import numpy as np
 from pi0align.compare.judging.thresholds import UNIT_ROUNDOFF
 from pi0align.compare.reading.records import subjects
 from pi0align.compare.result import CulpritGroup
-from pi0align.compare.table import Coded, Table, key_codes, row_of_each
+from pi0align.compare.table import Coded, Table, key_codes, recoded, row_of_each
 from pi0align.dump.file_format import OPTIMIZER_API, RANDOM_FUNCTIONS
 
 # APIs whose kernels multiply matrices: TF32 / HF32 switches change all of them at once
@@ -33,11 +33,7 @@ def family(api: str, kind: str = "call") -> str:
 
 def _families(calls: Table) -> Coded:
     """Each call's `family`, found once per distinct API and kind."""
-    pair, count = key_codes(calls.coded("api"), calls.coded("kind"))
-    one = row_of_each(pair, count)
-    of_pair = Coded.of(np.array([family(str(api), kind) for api, kind in zip(calls["api"][one].tolist(),
-                                                                              calls["kind"][one].tolist())], object))
-    return of_pair.take(pair)
+    return recoded(lambda api, kind: family(str(api), kind), calls.coded("api"), calls.coded("kind"))
 
 
 def family_counts(calls: Table, counts: dict[tuple[str, str], tuple[int, int]] | None = None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pi0align.compare.table import Coded, key_codes, mapped, row_of_each
+from pi0align.compare.table import Coded, mapped, recoded
 from pi0align.errors import UserError
 
 # Error metrics judged against a limit (everything in metrics.py except the informative ones:
@@ -72,14 +72,8 @@ def looser(dtype_a: str, dtype_b: str) -> str:
 
 
 def looser_classes(dtypes_a: np.ndarray | Coded, dtypes_b: np.ndarray | Coded) -> Coded:
-    """looser() for two columns of dtypes at once ("" where either side has no dtype), coded:
-    looser() called once per distinct pair."""
-    pair, count = key_codes(dtypes_a, dtypes_b)
-    row_of_pair = row_of_each(pair, count)
-    a, b = (column.take(row_of_pair).values if isinstance(column, Coded) else np.asarray(column, object)[row_of_pair]
-            for column in (dtypes_a, dtypes_b))
-    classes = Coded.of(np.array([looser(x, y) if x and y else "" for x, y in zip(a.tolist(), b.tolist())], object))
-    return classes.take(pair)
+    """looser() for two columns of dtypes at once ("" where either side has no dtype), coded."""
+    return recoded(lambda a, b: looser(a, b) if a and b else "", dtypes_a, dtypes_b)
 
 
 def unit_roundoffs(dtypes) -> np.ndarray:

@@ -19,11 +19,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pi0align.compare.table import Groups, Table, concatenated, gather, key_codes, lookup, outer_join, row_of_each
+from pi0align.compare.reading.records import CODED_COLUMNS
+from pi0align.compare.table import Groups, Table, concatenated, gather, key_codes, lookup, outer_join, recoded
 
 _MAX_RUN_DP = 1_000_000  # cells; larger runs pair in order instead of by closeness
 _MAX_EDITS = 2000  # beyond this many insertions + deletions in one module, difflib takes over
-_CODED = ("module", "api", "direction")  # the records' columns of few distinct values (table.Coded)
 
 
 def pair_records(a: Table, b: Table) -> Table:
@@ -64,12 +64,10 @@ def _calls(records: Table) -> tuple[Table, np.ndarray]:
     starts = np.flatnonzero(np.r_[True, (step[1:] != step[:-1]) | (call[1:] != call[:-1])]) if len(step) else \
         np.array([], np.int64)
     # each record's part of its call's token, made once per distinct (role, shape, dtype)
-    triple, count = key_codes(*(records.coded(c) for c in ("role", "shape", "dtype")))
-    one_each = row_of_each(triple, count)
-    texts = records["role"][one_each] + ":" + records["shape"][one_each] + ":" + records["dtype"][one_each] + "|"
-    parts = texts[triple[ordered]]
+    parts = recoded(lambda role, shape, dtype: f"{role}:{shape}:{dtype}|",
+                    *(records.coded(c) for c in ("role", "shape", "dtype"))).take(ordered).values
     first = ordered[starts]
-    calls = Table({c: records.coded(c).take(first) if c in _CODED else records[c][first]
+    calls = Table({c: records.coded(c).take(first) if c in CODED_COLUMNS else records[c][first]
                    for c in ("step", "call", "seq", "name", "module", "api", "direction")}, length=len(starts))
     signature = np.add.reduceat(parts, starts) if len(starts) else np.array([], object)
     calls["token"] = calls["api"].astype(object) + "|" + signature

@@ -284,7 +284,7 @@ class _StepRecords:
         in_step = np.array([_in_optimizer_step(f) for f in stacks], bool)[stack_of_call] & (directions != "parameter")
         sites = np.array([call_site(f) for f in stacks], object)[stack_of_call]
         call_ids, names, sites = (column[of_call] for column in (ids, names, sites))
-        # the columns of few distinct values, coded (table.Coded): what the compare groups and joins on
+        # CODED_COLUMNS: the calls' coded here, role, dtype and shape by the scan
         modules, apis, directions = (Coded.of(column).take(of_call)
                                      for column in (modules, apis, _update_phase(directions, in_step)))
         roles = Coded.of(np.array(ROLES, object))
@@ -306,7 +306,7 @@ class _StepRecords:
 def _shared(stacks: list[tuple[str, ...]]) -> tuple[np.ndarray, list[tuple[str, ...]]]:
     """The distinct objects among the calls' stacks (calls of one stack share its tuple: _frames),
     and each call's position among them."""
-    distinct, first, position = np.unique(np.fromiter(map(id, stacks), np.uint64, len(stacks)), return_index=True,
+    _, first, position = np.unique(np.fromiter(map(id, stacks), np.uint64, len(stacks)), return_index=True,
                                           return_inverse=True)
     return position.reshape(-1), [stacks[i] for i in first.tolist()]
 

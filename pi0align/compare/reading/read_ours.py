@@ -10,6 +10,7 @@ import h5py
 import numpy as np
 
 from pi0align.compare.reading.records import (
+    CODED_COLUMNS,
     METRIC_COLUMNS,
     RECORD_COLUMNS,
     Bfloat16Array,
@@ -207,12 +208,9 @@ def _step_records(group: h5py.Group, step: int, rank: int, frames_of: dict[int, 
     of_call = lookup([records["call_id"]], [calls["call_id"]])
     if (of_call < 0).any():
         raise ValueError("records of calls that are not listed")
-    for c in ("seq", "name"):
-        records[c] = calls[c][of_call]
-    # the columns of few distinct values, coded (table.Coded): what the compare groups and joins on
-    for c in ("module", "api", "direction"):
-        records[c] = calls.coded(c).take(of_call)
-    for c in ("role", "dtype", "shape"):
+    for c in ("seq", "name", "module", "api", "direction"):
+        records[c] = calls.coded(c).take(of_call) if c in CODED_COLUMNS else calls[c][of_call]
+    for c in CODED_COLUMNS:  # role, dtype and shape: the records' own (the others coded above)
         records.coded(c)
     records["sample_row"] = np.arange(len(records)) if "samples" in group else -1
     records["call"], records["step"], records["rank"] = records["call_id"], step, rank

@@ -16,6 +16,9 @@ import numpy as np
 
 from pi0align.compare.table import Table, mapped
 
+# the records' columns of few distinct values, coded by the readers (table.Coded): what the compare
+# groups and joins on
+CODED_COLUMNS = ("module", "api", "direction", "role", "dtype", "shape")
 RECORD_COLUMNS = [
     "rank", "step", "call", "seq", "name", "module", "api", "direction", "role", "arg_index",
     "dtype", "shape", "numel", "min", "max", "mean", "norm", "nan_count", "inf_count",

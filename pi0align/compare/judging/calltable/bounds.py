@@ -130,7 +130,7 @@ def rounding_floor(unit: np.ndarray, condition: np.ndarray, rule: np.ndarray, ap
     An optimizer's update is several operations: UPDATE_ROUNDINGS × F u."""
     unit = np.asarray(unit, np.float64)
     apis = api if isinstance(api, Coded) else Coded.of(np.atleast_1d(np.asarray(api, object)))
-    accumulator = np.where(isin(recoded(apis, matmul_name), MATMULS), np.minimum(unit, UNIT_ROUNDOFF["float32"]), unit)
+    accumulator = np.where(isin(recoded(matmul_name, apis), MATMULS), np.minimum(unit, UNIT_ROUNDOFF["float32"]), unit)
     own = noise_floor(unit) * np.where(isin(apis, (OPTIMIZER_API,)), UPDATE_ROUNDINGS, 1.0)
     return np.maximum(own, noise_floor(accumulator) * rounding_scale(condition, rule))
 
@@ -140,7 +140,7 @@ def invariant_errors(of: CallRecords) -> np.ndarray:
     mean: every row sums to one), 0 where it keeps none. Its records as for `conditions`, with
     `mean_val_rel_err`."""
     calls = of.calls
-    function = recoded(calls.coded("api"), function_name)
+    function = recoded(function_name, calls.coded("api"))
     softmax = np.flatnonzero((~calls.isin("direction", "backward")) & isin(function, SOFTMAXES))
     invariant = np.zeros(len(calls))
     invariant[softmax] = np.nan_to_num(of.output_statistic_error(softmax, "mean_val_rel_err"))
@@ -155,7 +155,7 @@ def conditions(of: CallRecords) -> tuple[np.ndarray, np.ndarray]:
     (`reduction_condition`) or its selecting a part of its input (SELECTIONS: ‖x‖ / ‖part‖, all of
     the input's error may sit in the part)."""
     calls, records, call_of_record = of.calls, of.records, of.call_of_record
-    function = recoded(calls.coded("api"), function_name)
+    function = recoded(function_name, calls.coded("api"))
     forward = ~calls.isin("direction", "backward")
     condition, rule = np.ones(len(calls)), np.full(len(calls), "", object)
 
@@ -387,7 +387,7 @@ def _matmul_conditions(calls: Table, of: CallRecords, per_product: bool = True) 
     nothing cancels (PI0 tiny's eager attention, batch 8 × 8 heads: C was 8, and its scores 5 %
     off were within it wherever their inputs already differed), taken alike across the batch; a
     weight shared by the batch (a linear's) is one operand of every product, and no batch."""
-    function = recoded(calls.coded("api"), matmul_name)
+    function = recoded(matmul_name, calls.coded("api"))
     condition = np.full(len(function), np.nan)
     matmul = np.flatnonzero(isin(function, MATMULS))
     if not len(matmul):
@@ -428,7 +428,7 @@ def result_conditions(of: CallRecords) -> tuple[np.ndarray, np.ndarray]:
     over positions (a bias's): reduction_condition."""
     calls, records, call_of_record = of.calls, of.records, of.call_of_record
     condition, extremes = np.full(len(records), np.nan), np.full(len(records), np.nan)
-    function = recoded(calls.coded("api"), matmul_name)
+    function = recoded(matmul_name, calls.coded("api"))
     backward = np.flatnonzero(calls.isin("direction", "backward") & isin(function, MATMULS))
     if not len(backward):
         return condition, extremes
