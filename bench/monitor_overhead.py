@@ -2,9 +2,9 @@
 without it: small preset, CPU (or --device), one CPU thread, plain and monitored steps alternating
 in one process, each monitored step timed against the plain step just before it, `--pairs` times a
 round, the round's ratio their median (as bench/dump_overhead.py, whose steps and alternation it
-uses). A monitored step: the monitor's hooks on, the step, its row computed, read back and handed
-to its writer process. `--check` judges the goal (≤ 1.03×) and exits 1 when it is missed by more
-than its noise.
+uses). A monitored step: the monitor's hooks on, the step (the gradients' norms handed over by its
+clipping, as `pi0align run` does), its row computed, read back and handed to its writer process.
+`--check` judges the goal (≤ 1.03×) and exits 1 when it is missed by more than its noise.
 
     .venv/bin/python bench/monitor_overhead.py [--device cpu] [--preset small] [--rounds 5] [--pairs 3] [--check]
 """

@@ -182,6 +182,11 @@ def test_a_nan_at_step_7_alerts_at_once_names_its_module_and_dumps_step_8(runs):
     count = monitored.values[7, monitored.modules.index(EXPERT_1), QUANTITIES.index("output_nonfinite")]
     assert count > 0 and np.all(monitored.values[:7, :, QUANTITIES.index("output_nonfinite")][
         np.isfinite(monitored.values[:7, :, 0])] == 0)
+    # and the gradients', though zero_grad dropped them before the row was made
+    grads = monitored.values[7, :, QUANTITIES.index("grad_norm")]
+    counts = monitored.values[7, :, QUANTITIES.index("grad_nonfinite")]
+    nan = np.isnan(grads) & np.isfinite(counts)  # NaN gradients (a count is NaN where there are none)
+    assert nan[monitored.modules.index(EXPERT_1)] and np.all(counts[nan] > 0)
 
 
 def test_a_nan_in_another_module_is_named_there(runs):

@@ -99,6 +99,18 @@ def test_the_compiled_norms_are_torchs(dtype):
                 assert mine[index] == pytest.approx(value, rel=1e-2 if dtype == torch.bfloat16 else 1e-5), quantity
             else:
                 assert str(mine[index]) == str(value), (quantity, index)  # nan or inf as torch's
+    # the modules' outputs: norms and largest magnitudes, a NaN, an Inf, a strided one among them
+    outputs = [p.detach() * -3 for p in parameters]
+    outputs[4][5], outputs[5][9], outputs[6][:2] = math.nan, -math.inf, math.nan
+    assert not outputs[7].is_contiguous()
+    with torch.no_grad():
+        (norms, largest), (torch_norms, torch_largest) = (each.norms_and_largest(outputs)
+                                                          for each in (compiled, TorchNorms()))
+    rel = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for mine, theirs in zip(norms.tolist(), torch_norms.double().tolist()):
+        assert mine == pytest.approx(theirs, rel=rel) if math.isfinite(theirs) else str(mine) == str(theirs)
+    assert largest.tolist() == pytest.approx(torch_largest.double().tolist(), nan_ok=True, rel=0)
+    assert math.isnan(largest[4]) and math.isinf(largest[5]) and math.isfinite(largest[3])
 
 
 def test_a_tensors_norm_is_one_number_whichever_pass_and_threads_take_it():

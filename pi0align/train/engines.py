@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from pi0align.errors import UserError
 from pi0align.train import checkpoint, distributed
+from pi0align.train.clipping import GradientNorms, clip_gradients
 
 ENGINES = ("torch", "deepspeed")
 DEEPSPEED_TAG = "deepspeed"  # the folder of DeepSpeed's own files in a checkpoint
@@ -60,10 +62,11 @@ class TorchEngine:
         loss.backward()
         return loss.item()
 
-    def step(self) -> float:
-        """Clip the gradients, step the optimizer and the schedule; returns the norm before clipping."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip_norm,
-                                                   error_if_nonfinite=False)
+    def step(self, after_backward: Callable[[GradientNorms | None], None] | None = None) -> float:
+        """Clip the gradients, step the optimizer and the schedule; returns the norm before clipping.
+        `after_backward(norms)`: called before the gradients are scaled, with each one's norm as the
+        clip computed it (clipping.clip_gradients)."""
+        grad_norm = clip_gradients(self.policy.parameters(), self.grad_clip_norm, after_backward)
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.scheduler.step()
@@ -110,12 +113,15 @@ class DeepSpeedEngine:
         self.model.backward(loss)
         return loss.item()
 
-    def step(self) -> float:
-        """DeepSpeed's step: clipping, the optimizer, zeroing the gradients, the schedule."""
+    def step(self, after_backward: Callable[[GradientNorms | None], None] | None = None) -> float:
+        """DeepSpeed's step: clipping, the optimizer, zeroing the gradients, the schedule;
+        `after_backward` as TorchEngine.step's (under ZeRO, DeepSpeed clips: called with None)."""
         if self._clip_norm is None:
+            if after_backward is not None:
+                after_backward(None)
             self.model.step()
             return float(self.model.get_global_grad_norm())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self._clip_norm, error_if_nonfinite=False)
+        grad_norm = clip_gradients(self.policy.parameters(), self._clip_norm, after_backward)
         self.model.step()
         return grad_norm.item()
 

@@ -118,11 +118,10 @@ def _train(config: TrainConfig, ranks: distributed.Ranks, device: Device, dumper
             profiler.before(step)
             phase_started = time.perf_counter()
             loss = trainer.forward_backward(components["preprocessor"](raw_batch))
-            if monitor is not None:
-                monitor.after_backward()  # the gradients as the backward left them, before clipping
             device.synchronize()
             forward_backward_time = time.perf_counter() - phase_started
-            grad_norm = trainer.step()
+            # the monitor reads the gradients as the backward left them, before clipping
+            grad_norm = trainer.step(monitor.after_backward if monitor is not None else None)
             device.synchronize()
             optimizer_time = time.perf_counter() - phase_started - forward_backward_time
             for each in dumpers:
@@ -170,14 +169,12 @@ def _train(config: TrainConfig, ranks: distributed.Ranks, device: Device, dumper
 def train_step(policy, batch, optimizer, scheduler, grad_clip_norm: float, after_backward=None) -> tuple[float, float]:
     """One optimizer step of the bare policy in this process, as LeRobot's `update_policy` (without
     accelerate's mixed precision); returns (loss, gradient norm before clipping). `after_backward`:
-    called between the backward and the optimizer's step (a monitor's)."""
+    a monitor's, called before the gradients are clipped, with their norms (TorchEngine.step)."""
     trainer = engines.TorchEngine(policy=policy, optimizer=optimizer, scheduler=scheduler,
                                   grad_clip_norm=grad_clip_norm, batch_size=None, zero_stage=0,
                                   ranks=distributed.Ranks(), device=None)
     loss = trainer.forward_backward(batch)
-    if after_backward is not None:
-        after_backward()
-    return loss, trainer.step()
+    return loss, trainer.step(after_backward)
 
 
 def check_inputs(config: TrainConfig) -> dict:

@@ -1,5 +1,6 @@
-// The monitor's per-parameter sums on the CPU (parameter_norms.py, CompiledNorms): many float32
-// tensors summed in one call each. Torch's multi-tensor norm runs tensor by tensor on a CPU, its
+// The monitor's per-tensor sums on the CPU (parameter_norms.py, CompiledNorms): many float32
+// tensors (the gradients; the parameters and Adam's moments; the modules' outputs, with their
+// largest magnitudes) summed in one call each. Torch's multi-tensor norm runs tensor by tensor on a CPU, its
 // dispatch costing more than the memory it reads; Adam's update direction m / (sqrt(v) * scale +
 // eps) costs its multi-tensor path ten passes and three temporaries. Here each tensor is read once,
 // in float32 as Adam computes. Sums run in LANES float32 lanes over blocks of BLOCK elements, the
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -40,11 +42,15 @@ void in_lanes(int64_t begin, int64_t end, double* out, Add add) {
   for (int w = 0; w < Width; ++w) out[w] = lanes[w].total();
 }
 
-// sums[t * Width + w] = the sums `block(t, begin, end, out)` gives for each block of tensor t,
-// added in the blocks' order: the same number on any count of `threads`, each of which takes
-// every threads-th block of the tensors
-template <int Width, typename Block>
-void by_blocks(int64_t count, const int64_t* sizes, int threads, double* sums, Block block) {
+struct Add {
+  double operator()(double total, double x, int) const { return total + x; }
+};
+
+// sums[t * Width + w] = what `block(t, begin, end, out)` gives for each block of tensor t, combined
+// (added, by default) in the blocks' order: the same number on any count of `threads`, each of
+// which takes every threads-th block of the tensors
+template <int Width, typename Block, typename Combine = Add>
+void by_blocks(int64_t count, const int64_t* sizes, int threads, double* sums, Block block, Combine combine = {}) {
   std::vector<int64_t> first(count + 1, 0);  // tensor t's blocks: first[t] .. first[t + 1] - 1
   for (int64_t t = 0; t < count; ++t) first[t + 1] = first[t] + (sizes[t] + BLOCK - 1) / BLOCK;
   std::vector<double> partial((size_t)first[count] * Width);
@@ -63,7 +69,7 @@ void by_blocks(int64_t count, const int64_t* sizes, int threads, double* sums, B
   for (int64_t t = 0; t < count; ++t)
     for (int w = 0; w < Width; ++w) {
       double total = 0;
-      for (int64_t b = first[t]; b < first[t + 1]; ++b) total += partial[(size_t)b * Width + w];
+      for (int64_t b = first[t]; b < first[t + 1]; ++b) total = combine(total, partial[(size_t)b * Width + w], w);
       sums[t * Width + w] = total;
     }
 }
@@ -79,8 +85,32 @@ extern "C" void pi0align_squared_sums(int64_t count, const float* const* tensors
   });
 }
 
+// sums[2t] = the sum of squares of tensor t, sums[2t + 1] its largest magnitude (NaN where it
+// holds a NaN)
+extern "C" void pi0align_squares_and_largest(int64_t count, const float* const* tensors, const int64_t* sizes,
+                                             int threads, double* sums) {
+  by_blocks<2>(
+      count, sizes, threads, sums,
+      [&](int64_t t, int64_t begin, int64_t end, double* out) {
+        const float* x = tensors[t];
+        in_lanes<1>(begin, end, out, [x](Lanes* s, int j, int64_t i) { s[0].lane[j] += x[i] * x[i]; });
+        // the magnitudes' bits compared as integers (vectorised; a NaN's are the largest)
+        uint32_t largest = 0;
+        for (int64_t i = begin; i < end; ++i) {
+          uint32_t bits;
+          std::memcpy(&bits, &x[i], sizeof bits);
+          largest = std::max(largest, bits & 0x7fffffffu);
+        }
+        float magnitude;
+        std::memcpy(&magnitude, &largest, sizeof magnitude);
+        out[1] = magnitude;
+      },
+      [](double total, double x, int w) { return w == 0 ? total + x : (x > total || x != x) ? x : total; });
+}
+
 // sums[4t..4t+3] = the sums of squares of parameter t, Adam's first moment m, its second v, and
-// m / (sqrt(v) * scales[t] + eps[t])
+// m / (sqrt(v) * scales[t] + eps[t]); of a parameter without Adam's states (first[t] null) its
+// own, the others 0
 extern "C" void pi0align_adam_sums(int64_t count, const float* const* parameters, const float* const* first,
                                    const float* const* second, const int64_t* sizes, const double* scales,
                                    const double* eps, int threads, double* sums) {
@@ -88,6 +118,11 @@ extern "C" void pi0align_adam_sums(int64_t count, const float* const* parameters
     const float* p = parameters[t];
     const float* m = first[t];
     const float* v = second[t];
+    if (m == nullptr) {
+      in_lanes<1>(begin, end, out, [p](Lanes* s, int j, int64_t i) { s[0].lane[j] += p[i] * p[i]; });
+      out[1] = out[2] = out[3] = 0;
+      return;
+    }
     const float scale = (float)scales[t], epsilon = (float)eps[t];
     in_lanes<4>(begin, end, out, [=](Lanes* s, int j, int64_t i) {
       const float q = m[i] / (std::sqrt(v[i]) * scale + epsilon);

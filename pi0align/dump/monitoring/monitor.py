@@ -3,17 +3,19 @@ the parameters, their update and Adam's moments, as norms (docs/monitor-format.m
 sudden jumps as alerts (alerts.py). The Dumper's habits: `start`, `step`, `close`.
 
 Cheap because nothing is read back per tensor: a module's output is kept as its forward returns it
-(no work on the training thread), and at the step's end every norm is taken at once, by torch's
-multi-tensor kernels on a GPU or NPU and by one compiled pass on a CPU (parameter_norms.py),
-gathered per module on the device and read back in one copy; the row goes to a writer process
-(writer_process.py) that appends it to `monitor.h5`. The monitor's own work runs outside every
-TorchFunctionMode (a Dumper's, a noise reference's), adds no random draw and changes no tensor:
-losses are bit for bit those of a run without it.
+(no work on the training thread), the gradients' norms are those the clipping computes where the
+training hands them over (train/clipping.py), and at the step's end every other norm is taken at
+once, by torch's multi-tensor kernels on a GPU or NPU and by one compiled pass on a CPU
+(parameter_norms.py); all are read back in one copy and gathered per module on the host; the row
+goes to a writer process (writer_process.py) that appends it to `monitor.h5`. The monitor's own
+work runs outside every TorchFunctionMode (a Dumper's, a noise reference's), adds no random draw and
+changes no tensor: losses are bit for bit those of a run without it.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +27,7 @@ from pi0align.dump.monitoring.parameter_norms import Norms, parameter_norms
 from pi0align.dump.ranks import rank_and_world_size
 
 _quiet = torch._C.DisableTorchFunction  # the monitor's work is no call of the run
+_PRECISE = (torch.float32, torch.float64)  # a norm taken from the clipping (a bfloat16 one: too coarse)
 Q = {name: i for i, name in enumerate(monitor_file.QUANTITIES)}
 
 
@@ -69,6 +72,7 @@ class Monitor:
         self._handles: list = []
         self._outputs: dict[int, torch.Tensor] = {}
         self._gradients: Norms | None = None  # per parameter, after backward
+        self._gradients_nonfinite: dict[int, int] = {}  # per module, where a gradient's norm is not finite
         self._learning_rates: list[float] | None = None
         self._writer = None
         self._file: Path | None = None
@@ -108,12 +112,22 @@ class Monitor:
                     self._handles.append(part.register_forward_hook(self._keeper(index)))
         return self
 
-    def after_backward(self) -> None:
+    def after_backward(self, gradient_norms: Mapping[int, torch.Tensor] | None = None) -> None:
         """The gradients' norms, as the backward (and its all-reduce) left them, before clipping, and
         the learning rates the step will use: call it between backward and the optimizer's step
-        (`step()` reads `.grad` and the learning rates itself otherwise, as they are then)."""
+        (`step()` reads `.grad` and the learning rates itself otherwise, as they are then).
+        `gradient_norms`: {id(gradient): its L2 norm} that the clipping has computed already
+        (train/clipping.py); those in float32 or float64 are taken, the others computed here."""
         with torch.no_grad(), _quiet():
-            self._gradients = self._norms.norms([p.grad for p in self._parameters])
+            gradients = [p.grad for p in self._parameters]
+            if not gradient_norms:
+                self._gradients = self._norms.norms(gradients)
+            else:
+                known = {i: gradient_norms.get(id(g)) for i, g in enumerate(gradients) if g is not None}
+                known = {i: norm for i, norm in known.items() if norm is not None and norm.dtype in _PRECISE}
+                rest = self._norms.norms([None if i in known else g for i, g in enumerate(gradients)])
+                self._gradients = _joined(known, rest, self._device)
+            self._gradients_nonfinite = self._nonfinite_gradients(gradients)
         # the learning rates the optimizer's step is about to use (a scheduler changes them after it)
         self._learning_rates = [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer else None
 
@@ -128,6 +142,7 @@ class Monitor:
         values, present = values[self._order], present[self._order]
         self._outputs.clear()
         self._gradients = self._learning_rates = None
+        self._gradients_nonfinite = {}
         alerts = self.rules.check(self.current_step, self.modules, values, present) if self.rules is not None else []
         self._writer.append_monitor(self.current_step, values)
         self.alerts += alerts
@@ -161,9 +176,9 @@ class Monitor:
             for parameter in module.parameters():
                 owner.setdefault(id(parameter), index)  # a shared parameter: the first module holding it
         self._parameters = [p for p in self.model.parameters() if id(p) in owner]
-        self._device = device = self._parameters[0].device if self._parameters else torch.device("cpu")
-        self._owner = torch.tensor([owner[id(p)] for p in self._parameters], dtype=torch.long, device=device)
-        self._norms = parameter_norms(device)
+        self._device = self._parameters[0].device if self._parameters else torch.device("cpu")
+        self._owners = np.array([owner[id(p)] for p in self._parameters], np.int64)  # each parameter's module
+        self._norms = parameter_norms(self._device)
 
     def _open(self) -> None:
         """At the first step's end: the file, its rows the modules in the order they ran (each
@@ -190,50 +205,67 @@ class Monitor:
     def _row(self) -> tuple[np.ndarray, np.ndarray]:
         """Every quantity of every module this step, (modules, quantities) float32, NaN where a
         module has none; and where it has one (a NaN there is a NaN computed)."""
-        device, modules = self._device, len(self._modules)
-        table = torch.full((modules, len(Q)), float("nan"), dtype=torch.float64, device=device)
-        held = torch.zeros((modules, len(Q)), dtype=torch.bool, device=device)
-        seen = sorted(i for i, output in self._outputs.items() if output.numel())
-        if seen:
-            outputs = [self._outputs[i] for i in seen]
-            at = torch.tensor(seen, device=device)
-            table[at, Q["output_norm"]] = torch.stack(torch._foreach_norm(outputs)).double().to(device)
-            # max |x| from the extremes: torch's ∞-norm of a strided tensor is ten times slower
-            extremes = torch.stack([torch.stack((o.amax(), o.amin())) for o in outputs]).abs().amax(1)
-            table[at, Q["output_max"]] = extremes.double().to(device)
-            held[at, Q["output_norm"]] = held[at, Q["output_max"]] = held[at, Q["output_nonfinite"]] = True
+        modules = len(self._modules)
+        values = np.full((modules, len(Q)), np.nan)
+        present = np.zeros((modules, len(Q)), bool)
+        ran = [i for i in sorted(self._outputs) if self._outputs[i].numel()]
+        per_tensor = {}  # quantity: per output, or per parameter that has it (Norms.at)
+        if ran:
+            per_tensor["output_norm"], per_tensor["output_max"] = self._norms.norms_and_largest(
+                [self._outputs[i] for i in ran])
+        quantities = {}
         if self._parameters:
             quantities = {"grad_norm": self._gradients, **self._norms.after_step(self.optimizer, self._parameters,
                                                                              self._learning_rates)}
-            columns = [Q[quantity] for quantity in quantities]
-            table[:, columns], held[:, columns] = _per_module(list(quantities.values()), self._owner, modules)
-            held[:, Q["grad_nonfinite"]] = held[:, Q["grad_norm"]]
-        values, present = table.cpu().numpy(), held.cpu().numpy()  # the step's read back
-        for quantity, count in (("output_norm", "output_nonfinite"), ("grad_norm", "grad_nonfinite")):
+            per_tensor |= {quantity: norms.values for quantity, norms in quantities.items() if norms.at}
+        found = _read_back(per_tensor, self._device)
+        if ran:
+            values[ran, Q["output_norm"]], values[ran, Q["output_max"]] = found["output_norm"], found["output_max"]
+            present[ran, Q["output_norm"]] = present[ran, Q["output_max"]] = present[ran, Q["output_nonfinite"]] = True
+        for quantity, norms in quantities.items():  # per module: √(Σ norm²) over its parameters that have it
+            if norms.at:
+                owners = self._owners[norms.at]
+                has = np.bincount(owners, minlength=modules) > 0
+                squares = np.bincount(owners, np.square(found[quantity]), modules)
+                values[has, Q[quantity]], present[has, Q[quantity]] = np.sqrt(squares[has]), True
+        present[:, Q["grad_nonfinite"]] = present[:, Q["grad_norm"]]
+        for count in ("output_nonfinite", "grad_nonfinite"):
             values[present[:, Q[count]], Q[count]] = 0
-            # counted only where a norm says there are some: no pass over the elements otherwise
-            for index in np.flatnonzero(present[:, Q[count]] & ~np.isfinite(values[:, Q[quantity]])).tolist():
-                values[index, Q[count]] = self._nonfinite(index, quantity)
+        # counted only where a norm says there are some: no pass over the elements otherwise
+        for index in np.flatnonzero(present[:, Q["output_nonfinite"]] & ~np.isfinite(values[:, Q["output_norm"]])):
+            values[index, Q["output_nonfinite"]] = int((~torch.isfinite(self._outputs[index])).sum())
+        for index, count in self._gradients_nonfinite.items():
+            values[index, Q["grad_nonfinite"]] = count
         return values.astype(np.float32), present
 
-    def _nonfinite(self, index: int, quantity: str) -> int:
-        """The NaN/Inf elements of module `index`'s output or gradients."""
-        if quantity == "output_norm":
-            return int((~torch.isfinite(self._outputs[index])).sum())
-        return sum(int((~torch.isfinite(p.grad)).sum()) for p, own in zip(self._parameters, self._owner.tolist())
-                   if own == index and p.grad is not None)
+    def _nonfinite_gradients(self, gradients: list[torch.Tensor | None]) -> dict[int, int]:
+        """Per module, the NaN/Inf elements of its gradients, where a gradient's norm is not finite
+        (counted now, before clipping: a clip by a non-finite norm makes every element NaN)."""
+        norms = self._gradients
+        if not norms.at:
+            return {}
+        finite = torch.isfinite(norms.values).cpu().numpy()  # on a device, the step's one read back more
+        counts: dict[int, int] = {}
+        for index in np.flatnonzero(~finite).tolist():
+            parameter = norms.at[index]
+            module = int(self._owners[parameter])
+            counts[module] = counts.get(module, 0) + int((~torch.isfinite(gradients[parameter])).sum())
+        return counts
 
 
-def _per_module(quantities: list[Norms], owner: torch.Tensor, modules: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per module (rows) and quantity (columns), √(Σ norm²) over the module's parameters that have
-    the quantity (NaN where none has), and whether one has."""
-    squares = torch.zeros((len(owner), len(quantities)), dtype=torch.float64, device=owner.device)
-    has = torch.zeros_like(squares)
-    for column, norms in enumerate(quantities):
-        if norms.at:
-            at = torch.tensor(norms.at, device=owner.device)
-            squares[at, column] = norms.values.to(owner.device, torch.float64) ** 2
-            has[at, column] = 1
-    total = squares.new_zeros((modules, len(quantities))).index_add_(0, owner, squares)
-    held = total.new_zeros(total.shape).index_add_(0, owner, has) > 0
-    return torch.where(held, total.sqrt(), float("nan")), held
+def _read_back(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, np.ndarray]:
+    """The step's one read back: each 1-D tensor, float64, in one copy."""
+    if not tensors:
+        return {}
+    joined = torch.cat([t.to(device, torch.float64) for t in tensors.values()]).cpu().numpy()
+    return dict(zip(tensors, np.split(joined, np.cumsum([len(t) for t in tensors.values()])[:-1])))
+
+
+def _joined(known: dict[int, torch.Tensor], rest: Norms, device: torch.device) -> Norms:
+    """Norms of the parameters in `known` ({index: 0-dim norm}) and in `rest`."""
+    if not known:
+        return rest
+    values = torch.stack(list(known.values())).to(device, torch.float64)
+    if not rest.at:
+        return Norms(list(known), values)
+    return Norms(list(known) + rest.at, torch.cat((values, rest.values.to(device, torch.float64))))

@@ -1,6 +1,6 @@
-"""The monitor's per-parameter norms: of tensors (the gradients), and after the optimizer's step of
-the parameters and Adam's, its two moments' and its update's, lr × m̂ / (√v̂ + ε)
-(docs/monitor-format.md).
+"""The monitor's per-tensor norms: of tensors (the gradients; the modules' outputs, with their
+largest magnitudes), and after the optimizer's step of the parameters and Adam's, its two moments'
+and its update's, lr × m̂ / (√v̂ + ε) (docs/monitor-format.md).
 
 Two implementations, chosen once by `parameter_norms()`: `TorchNorms`, torch's multi-tensor kernels
 on the parameters' device (a GPU's, an NPU's; the reference), and `CompiledNorms`,
@@ -24,6 +24,7 @@ QUANTITIES = ("param_norm", "exp_avg_norm", "exp_avg_sq_norm", "update_norm")
 _SOURCE = Path(__file__).parent.parent / "csrc" / "parameter_norms.cpp"
 _P = ctypes.c_void_p
 _FUNCTIONS = {"pi0align_squared_sums": [ctypes.c_int64, _P, _P, ctypes.c_int, _P],
+              "pi0align_squares_and_largest": [ctypes.c_int64, _P, _P, ctypes.c_int, _P],
               "pi0align_adam_sums": [ctypes.c_int64, _P, _P, _P, _P, _P, _P, ctypes.c_int, _P]}
 
 
@@ -83,6 +84,12 @@ class TorchNorms:
         at = [i for i, t in enumerate(tensors) if t is not None]
         return Norms(at, torch.stack(torch._foreach_norm([tensors[i] for i in at]))) if at else NONE
 
+    def norms_and_largest(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each tensor's L2 norm and largest magnitude (NaN where it holds a NaN)."""
+        # from the extremes: torch's ∞-norm of a strided tensor is ten times slower
+        extremes = torch.stack([torch.stack((t.amax(), t.amin())) for t in tensors]).abs().amax(1)
+        return torch.stack(torch._foreach_norm(tensors)), extremes
+
     def after_step(self, optimizer: torch.optim.Optimizer | None, parameters: list,
                    learning_rates: list[float] | None = None) -> dict[str, Norms]:
         """QUANTITIES: the parameters', and Adam's of those with its states (`learning_rates`: each
@@ -108,7 +115,7 @@ class CompiledNorms:
     status = "compiled"
 
     def __init__(self, functions: dict, threads: int) -> None:
-        self._squared_sums, self._adam_sums = (functions[name] for name in _FUNCTIONS)
+        self._squared_sums, self._squares_and_largest, self._adam_sums = (functions[name] for name in _FUNCTIONS)
         self.threads = threads
 
     def norms(self, tensors: list[torch.Tensor | None]) -> Norms:
@@ -121,30 +128,42 @@ class CompiledNorms:
         self._squared_sums(len(at), pointers.ctypes.data, sizes.ctypes.data, self.threads, sums.ctypes.data)
         return Norms(at, torch.from_numpy(np.sqrt(sums)))
 
+    def norms_and_largest(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each tensor's L2 norm and largest magnitude (NaN where it holds a NaN)."""
+        present = _float32(tensors)
+        pointers, sizes, sums = _pointers(present), _sizes(present), np.empty((len(present), 2), np.float64)
+        self._squares_and_largest(len(present), pointers.ctypes.data, sizes.ctypes.data, self.threads,
+                                  sums.ctypes.data)
+        return torch.from_numpy(np.sqrt(sums[:, 0])), torch.from_numpy(sums[:, 1])
+
     def after_step(self, optimizer: torch.optim.Optimizer | None, parameters: list,
                    learning_rates: list[float] | None = None) -> dict[str, Norms]:
-        """TorchNorms.after_step, in one pass over the parameters and both moments."""
+        """TorchNorms.after_step, in one pass over the parameters and both moments (a parameter
+        without Adam's states: its own norm)."""
+        if not parameters:
+            return dict.fromkeys(QUANTITIES, NONE)
         adam = _adam_states(optimizer, parameters, learning_rates)
-        if adam is None:
-            return {"param_norm": self.norms(parameters)} | dict.fromkeys(QUANTITIES[1:], NONE)
-        moved, first, second = (_float32(tensors) for tensors in ([parameters[i] for i in adam.at], adam.first,
-                                                                   adam.second))
-        # every array the call reads held in a name until it returns
-        pointers = [_pointers(tensors) for tensors in (moved, first, second)]
-        sizes, second_scales, eps = _sizes(first), np.array(adam.second_scales), np.array(adam.eps)
-        sums = np.empty((len(adam.at), len(QUANTITIES)), np.float64)
-        self._adam_sums(len(adam.at), *(p.ctypes.data for p in pointers), sizes.ctypes.data,
-                        second_scales.ctypes.data, eps.ctypes.data, self.threads, sums.ctypes.data)
+        at = adam.at if adam is not None else []
+        moved = _float32(parameters)
+        # every array the call reads held in a name until it returns; null: no Adam's states
+        first, second = (_float32(tensors) for tensors in ((adam.first, adam.second) if adam else ([], [])))
+        first_pointers, second_pointers = np.zeros(len(moved), np.uintp), np.zeros(len(moved), np.uintp)
+        first_pointers[at], second_pointers[at] = _pointers(first), _pointers(second)
+        second_scales, eps = np.zeros(len(moved)), np.zeros(len(moved))
+        if adam is not None:
+            second_scales[at], eps[at] = adam.second_scales, adam.eps
+        pointers, sizes = _pointers(moved), _sizes(moved)
+        sums = np.empty((len(moved), len(QUANTITIES)), np.float64)
+        self._adam_sums(len(moved), pointers.ctypes.data, first_pointers.ctypes.data, second_pointers.ctypes.data,
+                        sizes.ctypes.data, second_scales.ctypes.data, eps.ctypes.data, self.threads, sums.ctypes.data)
         norms = np.sqrt(sums)
+        result = {"param_norm": Norms(list(range(len(moved))), torch.from_numpy(norms[:, 0].copy()))}
+        if adam is None:
+            return result | dict.fromkeys(QUANTITIES[1:], NONE)
+        norms = norms[at]
         norms[:, 3] *= adam.update_scales
-        result = {quantity: Norms(adam.at, torch.from_numpy(np.ascontiguousarray(norms[:, column])))
-                  for column, quantity in enumerate(QUANTITIES)}
-        others = set(range(len(parameters))) - set(adam.at)
-        if others:  # parameters without Adam's states: their own pass
-            alone = self.norms([p if i in others else None for i, p in enumerate(parameters)])
-            both = result["param_norm"]
-            result["param_norm"] = Norms(both.at + alone.at, torch.cat((both.values, alone.values)))
-        return result
+        return result | {quantity: Norms(at, torch.from_numpy(np.ascontiguousarray(norms[:, column])))
+                         for column, quantity in enumerate(QUANTITIES) if column}
 
 
 def _float32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
