@@ -89,3 +89,9 @@ def test_the_monitor_takes_the_clips_norms_and_counts_what_the_clip_turns_nan(tm
     assert np.isnan(grad_norm[2, 2]) and grad_norm[2, :2] == pytest.approx(expected[2][:2], rel=1e-6)
     nonfinite = monitored.values[:, :, QUANTITIES.index("grad_nonfinite")][:, [0, 2, 4]]
     assert nonfinite.tolist() == [[0, 0, 0], [0, 0, 0], [0, 0, planted]]
+
+
+def test_one_parameter_alone_is_clipped_as_torch_clips_it():
+    ours, theirs = parameters([(40, "float32", "normal")], 3), parameters([(40, "float32", "normal")], 3)
+    assert torch.equal(clip_gradients(ours[0], 0.5), torch.nn.utils.clip_grad_norm_(theirs[0], 0.5))
+    assert torch.equal(ours[0].grad, theirs[0].grad)

@@ -15,11 +15,11 @@ GradientNorms = Mapping[int, torch.Tensor]
 
 
 @torch.no_grad()
-def clip_gradients(parameters: Iterable[torch.Tensor], max_norm: float,
+def clip_gradients(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
                    before_scaling: Callable[[GradientNorms], None] | None = None) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_(parameters, max_norm)`, bit for bit (tests/test_clipping.py),
     with `before_scaling(norms)` called between its norms and its scaling; returns the total norm."""
-    parameters = list(parameters)
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         total = torch.tensor(0.0)
