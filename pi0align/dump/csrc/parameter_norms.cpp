@@ -1,13 +1,13 @@
 // The monitor's per-tensor sums on the CPU (parameter_norms.py, CompiledNorms): many float32
 // tensors (the gradients; the parameters and Adam's moments; the modules' outputs, with their
-// largest magnitudes) summed in one call each. Torch's multi-tensor norm runs tensor by tensor on a CPU, its
-// dispatch costing more than the memory it reads; Adam's update direction m / (sqrt(v) * scale +
-// eps) costs its multi-tensor path ten passes and three temporaries. Here each tensor is read once,
-// in float32 as Adam computes. Sums run in LANES float32 lanes over blocks of BLOCK elements, the
-// lanes then added in order in float64: a fixed order, so a tensor's sum is the same number
-// whichever loop takes it (a parameter's norm with Adam's states or without), however the compiler
-// vectorises it and on any count of threads. The monitor runs between the training's kernels, its
-// cores idle: `threads` threads share the blocks.
+// largest magnitudes) summed in one call each. Torch's multi-tensor norm runs tensor by tensor on
+// a CPU, its dispatch costing more than the memory it reads; Adam's update direction
+// m / (sqrt(v) * scale + eps) costs its multi-tensor path ten passes and three temporaries. Here
+// each tensor is read once, in float32 as Adam computes. Sums run in LANES float32 lanes over
+// blocks of BLOCK elements, the lanes then added in order in float64: a fixed order, so a tensor's
+// sum is the same number whichever loop takes it (a parameter's norm with Adam's states or
+// without), however the compiler vectorises it and on any count of threads. The monitor runs
+// between the training's kernels, its cores idle: `threads` threads share the blocks.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
