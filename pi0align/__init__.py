@@ -15,8 +15,8 @@ def __getattr__(name: str):
         from pi0align.dump.monitoring.monitor import Monitor
 
         return Monitor
-    if name == "clip_gradients":  # clip_grad_norm_, its norms handed to a monitor (pi0align/train/clipping.py)
-        from pi0align.train.clipping import clip_gradients
+    if name == "clip_gradients":  # clip_grad_norm_, its norms handed to a monitor (pi0align/clipping.py)
+        from pi0align.clipping import clip_gradients
 
         return clip_gradients
     if name == "load_monitor":  # runs' monitors as one DataFrame (pi0align/runs/monitor.py)

@@ -6,9 +6,11 @@ and under torchrun; faults are pushed into its processes by the test's own start
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
+import numpy as np
 import pytest
 from conftest import REPO, assert_one_line_error, run_cli, run_clis
 
@@ -149,26 +151,28 @@ def test_a_script_without_an_optimizer_is_one_line(tmp_path):
 def test_a_loop_of_ones_own_is_attached_with_its_losses_unchanged(tmp_path):
     """A plain PyTorch loop (no LeRobot): the same losses, bit for bit, with attach (dumping a step
     and monitoring every one) and without; the model found through its optimizer, its loss from
-    the output's `loss` key, its gradient norm where it clips."""
+    the output's `loss` key, its gradient norm where it clips; the monitor's gradient norms those
+    the clip computed (torch's, to the bit), before it scaled the gradients."""
     script = tmp_path / "train.py"
     script.write_text(
-        "import torch\n"
+        "import json, torch\n"
         "torch.manual_seed(0)\n"
         "class Net(torch.nn.Module):\n"
         "    def __init__(self):\n"
         "        super().__init__()\n"
-        "        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))\n"
+        "        self.body = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.GELU(), torch.nn.Linear(300, 1))\n"
         "    def forward(self, x):\n"
         "        return {'loss': self.body(x).square().mean()}\n"
         "net = Net()\n"
         "optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)\n"
         "for step in range(6):\n"
-        "    loss = net(torch.randn(32, 8))['loss']\n"
+        "    loss = net(torch.randn(32, 64))['loss']\n"
         "    loss.backward()\n"
-        "    torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)\n"
+        "    norms = [torch.linalg.vector_norm(p.grad).item() for p in net.parameters()]\n"
+        "    torch.nn.utils.clip_grad_norm_(net.parameters(), 1e-3)\n"
         "    optimizer.step()\n"
         "    optimizer.zero_grad()\n"
-        "    print(repr(loss.item()))\n")
+        "    print(json.dumps({'loss': repr(loss.item()), 'gradient_norms': norms}))\n")
     import subprocess
 
     plain = subprocess.run([sys.executable, script], capture_output=True, text=True, check=True,
@@ -177,8 +181,9 @@ def test_a_loop_of_ones_own_is_attached_with_its_losses_unchanged(tmp_path):
                        sys.executable, script)
     assert attached.returncode == 0, attached.stderr
     assert attached.stdout == plain.stdout
+    printed = [json.loads(line) for line in plain.stdout.splitlines()]
     logged = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
-    assert [repr(r["loss"]) for r in logged] == plain.stdout.split()
+    assert [repr(r["loss"]) for r in logged] == [p["loss"] for p in printed]
     assert [r["step"] for r in logged] == list(range(6)) and all(r["grad_norm"] > 0 for r in logged)
     from pi0align.compare.reading.open_dump import dumped_steps
     from pi0align.runs.monitor import load_monitor
@@ -187,9 +192,15 @@ def test_a_loop_of_ones_own_is_attached_with_its_losses_unchanged(tmp_path):
     from pi0align.compare import compare_dumps
 
     metrics = compare_dumps(tmp_path / "out", tmp_path / "out").metrics_a  # every step's, past the dumped one
-    assert metrics["step"].tolist() == list(range(6)) and [repr(x) for x in metrics["loss"]] == plain.stdout.split()
+    assert metrics["step"].tolist() == list(range(6)) and [repr(x) for x in metrics["loss"]] == [
+        p["loss"] for p in printed]
     monitor = load_monitor([tmp_path / "out"])
     assert sorted(monitor["step"].unique()) == list(range(6))
+    grad_norm = monitor[monitor["quantity"] == "grad_norm"].pivot(index="step", columns="module", values="value")
+    # each Linear's: √(‖weight's gradient‖² + ‖bias's‖²) over the norms the script's clip computed
+    expected = [[np.float32(math.sqrt(w * w + b * b)) for w, b in (p["gradient_norms"][:2], p["gradient_norms"][2:])]
+                for p in printed]
+    assert grad_norm[["body.0", "body.2"]].to_numpy(np.float32).tolist() == expected
 
 
 def test_a_model_whose_output_holds_no_loss_is_read_from_the_scripts_own_log(tmp_path):

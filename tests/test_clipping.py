@@ -1,4 +1,4 @@
-"""The training's clipping in two halves (train/clipping.py) against torch's `clip_grad_norm_`,
+"""The training's clipping in two halves (clipping.py) against torch's `clip_grad_norm_`,
 and the monitor given the norms the clip computed."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import pi0align
+from pi0align.clipping import clip_gradients
 from pi0align.compare.reading.read_monitor import read_monitor
 from pi0align.dump.monitoring.monitor_file import QUANTITIES
-from pi0align.train.clipping import clip_gradients
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 GRADIENT = st.tuples(st.integers(1, 3000), st.sampled_from(sorted(DTYPES)),

@@ -21,9 +21,9 @@ from conftest import REPO
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pi0align"
 # DESIGN.md's table, top to bottom: a part may import the parts of its row and the rows above.
-LAYERS = [("errors", "cache", "native", "version"), ("device",), ("seed", "provenance"), ("pi0",), ("train",),
-          ("dump",), ("replay",), ("compare",), ("runs",), ("attach",), ("auditing",), ("bisecting",), ("report",),
-          ("cli",)]
+LAYERS = [("errors", "cache", "native", "version"), ("device",), ("seed", "provenance", "clipping"), ("pi0",),
+          ("train",), ("dump",), ("replay",), ("compare",), ("runs",), ("attach",), ("auditing",), ("bisecting",),
+          ("report",), ("cli",)]
 RANK = {part: i for i, row in enumerate(LAYERS) for part in row}
 KNOWS_NOTHING_OF = {"dump": {"pi0", "train"}, "attach": {"pi0", "train", "compare"},
                     "compare": {"dump.capturing", "dump.dumper"}, "runs": {"dump"}}

@@ -1,9 +1,10 @@
 """The attach in one process: seeded before the script runs; the model found through the first
 optimizer the script builds; the step counted by that optimizer's steps (torch's global optimizer
 hooks); the Dumper started at the model's forward of each dumped step and stopped after the
-optimizer's step; the Monitor at every step, its gradients read where the script clips them
-(before clipping); the loss taken from the model's output; the manifest and a per-step log written
-by rank 0. Nothing here changes a number the script computes."""
+optimizer's step; the Monitor at every step, its gradients' norms those of the script's clip
+(clipping.py: torch's, bit for bit), taken before the gradients are scaled; the loss taken from
+the model's output; the manifest and a per-step log written by rank 0. Nothing here changes a
+number the script computes."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from pi0align.attach.settings import AttachSettings
+from pi0align.clipping import clip_gradients
 from pi0align.device import Device
 from pi0align.dump.ranks import rank_and_world_size
 from pi0align.errors import UserError
@@ -110,11 +112,17 @@ class Session:
             self._dumper.start(self.model, step=self.step, manifest=self._manifest, optimizer=self.optimizer)
             self._dumping = True
 
-    def _clipping(self, original, parameters, *args, **kwargs):
-        if self._monitor is not None and not self._gradients_read:
-            self._monitor.after_backward()  # the gradients as the backward left them, before a first clip
-            self._gradients_read = True
-        total = original(parameters, *args, **kwargs)
+    def _clipping(self, original, parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        # the monitor reads the gradients as the backward left them, at the step's first clip
+        reading = self._monitor is not None and not self._gradients_read
+        if reading and float(norm_type) == 2.0 and not error_if_nonfinite and foreach is None:
+            # torch's clip bit for bit, its norms handed to the monitor: no pass of the monitor's own
+            total = clip_gradients(parameters, max_norm, self._monitor.after_backward)
+        else:
+            if reading:
+                self._monitor.after_backward()
+            total = original(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+        self._gradients_read = self._gradients_read or reading
         self._grad_norm = total
         return total
 

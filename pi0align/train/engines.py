@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from pi0align.clipping import GradientNorms, clip_gradients
 from pi0align.errors import UserError
 from pi0align.train import checkpoint, distributed
-from pi0align.train.clipping import GradientNorms, clip_gradients
 
 ENGINES = ("torch", "deepspeed")
 DEEPSPEED_TAG = "deepspeed"  # the folder of DeepSpeed's own files in a checkpoint

@@ -1,7 +1,8 @@
 """The gradients clipped as LeRobot's training clips them (`torch.nn.utils.clip_grad_norm_`, L2,
 `error_if_nonfinite=False`), in its two halves: the norms, then the scaling. Between them a monitor
 is handed each gradient's norm as the clip computed it, before the gradients are scaled: the
-gradients' norms cost it no pass of its own over them."""
+gradients' norms cost it no pass of its own over them. Shared by `run`'s engines (train/engines.py)
+and by `attach`, which clips an unmodified script's `clip_grad_norm_` calls with it."""
 
 from __future__ import annotations
 
