@@ -152,7 +152,8 @@ def test_a_loop_of_ones_own_is_attached_with_its_losses_unchanged(tmp_path):
     """A plain PyTorch loop (no LeRobot): the same losses, bit for bit, with attach (dumping a step
     and monitoring every one) and without; the model found through its optimizer, its loss from
     the output's `loss` key, its gradient norm where it clips; the monitor's gradient norms those
-    the clip computed (torch's, to the bit), before it scaled the gradients."""
+    the L2 clip computed (torch's, to the bit) before it scaled the gradients, and its own before
+    a clip attach leaves to torch (an ∞-norm one)."""
     script = tmp_path / "train.py"
     script.write_text(
         "import json, torch\n"
@@ -169,7 +170,10 @@ def test_a_loop_of_ones_own_is_attached_with_its_losses_unchanged(tmp_path):
         "    loss = net(torch.randn(32, 64))['loss']\n"
         "    loss.backward()\n"
         "    norms = [torch.linalg.vector_norm(p.grad).item() for p in net.parameters()]\n"
-        "    torch.nn.utils.clip_grad_norm_(net.parameters(), 1e-3)\n"
+        "    if step % 2:  # a clip attach leaves to torch: the monitor reads the gradients itself\n"
+        "        torch.nn.utils.clip_grad_norm_(net.parameters(), 1e-3, norm_type=float('inf'))\n"
+        "    else:\n"
+        "        torch.nn.utils.clip_grad_norm_(net.parameters(), 1e-3)\n"
         "    optimizer.step()\n"
         "    optimizer.zero_grad()\n"
         "    print(json.dumps({'loss': repr(loss.item()), 'gradient_norms': norms}))\n")
@@ -197,10 +201,13 @@ def test_a_loop_of_ones_own_is_attached_with_its_losses_unchanged(tmp_path):
     monitor = load_monitor([tmp_path / "out"])
     assert sorted(monitor["step"].unique()) == list(range(6))
     grad_norm = monitor[monitor["quantity"] == "grad_norm"].pivot(index="step", columns="module", values="value")
-    # each Linear's: √(‖weight's gradient‖² + ‖bias's‖²) over the norms the script's clip computed
-    expected = [[np.float32(math.sqrt(w * w + b * b)) for w, b in (p["gradient_norms"][:2], p["gradient_norms"][2:])]
-                for p in printed]
-    assert grad_norm[["body.0", "body.2"]].to_numpy(np.float32).tolist() == expected
+    # each Linear's: √(‖weight's gradient‖² + ‖bias's‖²), over the norms the script's L2 clip
+    # computed (even steps: to the bit), or the monitor's own (odd steps: the ∞-norm clip's are not)
+    expected = np.array([[math.sqrt(w * w + b * b) for w, b in (p["gradient_norms"][:2], p["gradient_norms"][2:])]
+                         for p in printed], np.float32)
+    recorded = grad_norm[["body.0", "body.2"]].to_numpy(np.float32)
+    assert recorded[::2].tolist() == expected[::2].tolist()
+    np.testing.assert_allclose(recorded[1::2], expected[1::2], rtol=1e-5)
 
 
 def test_a_model_whose_output_holds_no_loss_is_read_from_the_scripts_own_log(tmp_path):
