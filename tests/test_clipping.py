@@ -1,4 +1,4 @@
-"""The training's clipping in two halves (clipping.py) against torch's `clip_grad_norm_`,
+"""The training's clipping in two halves (pi0align/clipping.py) against torch's `clip_grad_norm_`,
 and the monitor given the norms the clip computed."""
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 optimizer the script builds; the step counted by that optimizer's steps (torch's global optimizer
 hooks); the Dumper started at the model's forward of each dumped step and stopped after the
 optimizer's step; the Monitor at every step, its gradients' norms those of the script's clip
-(clipping.py: torch's, bit for bit), taken before the gradients are scaled; the loss taken from
-the model's output; the manifest and a per-step log written by rank 0. Nothing here changes a
+(pi0align/clipping.py: torch's, bit for bit), taken before the gradients are scaled; the loss taken
+from the model's output; the manifest and a per-step log written by rank 0. Nothing here changes a
 number the script computes."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ sudden jumps as alerts (alerts.py). The Dumper's habits: `start`, `step`, `close
 
 Cheap because nothing is read back per tensor: a module's output is kept as its forward returns it
 (no work on the training thread), the gradients' norms are those the clipping computes where the
-training hands them over (clipping.py), and at the step's end every other norm is taken at
+training hands them over (pi0align/clipping.py), and at the step's end every other norm is taken at
 once, by torch's multi-tensor kernels on a GPU or NPU and by one compiled pass on a CPU
 (parameter_norms.py); all are read back in one copy and gathered per module on the host; the row
 goes to a writer process (writer_process.py) that appends it to `monitor.h5`. The monitor's own
@@ -117,7 +117,7 @@ class Monitor:
         the learning rates the step will use: call it between backward and the optimizer's step
         (`step()` reads `.grad` and the learning rates itself otherwise, as they are then).
         `gradient_norms`: {id(gradient): its L2 norm} that the clipping has computed already
-        (clipping.py); those in float32 or float64 are taken, the others computed here."""
+        (pi0align/clipping.py); those in float32 or float64 are taken, the others computed here."""
         with torch.no_grad(), _quiet():
             gradients = [p.grad for p in self._parameters]
             if not gradient_norms:
