@@ -96,15 +96,17 @@ def build(args, work: Path):
 
 
 def alternate(step_plain, variants: dict, rounds: int, pairs: int,
-              settle: dict | None = None) -> dict[str, list[float]]:
+              settle: dict | None = None, prepare: dict | None = None) -> dict[str, list[float]]:
     """{variant: [per round, the median over `pairs` of time(variant step) / time(plain step just
     before)]} over `rounds` rounds. `settle[name]`, untimed, runs after each of the variant's steps:
     work it left behind (a writer process finishing its tensors, the OS writing them to disk) must
-    not slow down the steps timed next."""
+    not slow down the steps timed next. `prepare[name]`, untimed, runs before each: what a run does
+    once, not at every step (hooks put on), which the plain step must not have."""
     ratios = {name: [] for name in variants}
-    settle = settle or {}
+    settle, prepare = settle or {}, prepare or {}
     step_plain()  # warm-up
     for name, run in variants.items():
+        prepare.get(name, lambda: None)()
         run()
         settle.get(name, lambda: None)()
     for _ in range(rounds):
@@ -114,6 +116,7 @@ def alternate(step_plain, variants: dict, rounds: int, pairs: int,
                 started = time.perf_counter()
                 step_plain()
                 plain = time.perf_counter() - started
+                prepare.get(name, lambda: None)()
                 started = time.perf_counter()
                 run()
                 paired.append((time.perf_counter() - started) / plain)
