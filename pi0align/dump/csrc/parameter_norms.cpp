@@ -7,7 +7,9 @@
 // blocks of BLOCK elements, the lanes then added in order in float64: a fixed order, so a tensor's
 // sum is the same number whichever loop takes it (a parameter's norm with Adam's states or
 // without), however the compiler vectorises it and on any count of threads. The monitor runs
-// between the training's kernels, its cores idle: `threads` threads share the blocks.
+// between the training's kernels, its cores idle: `threads` threads share the blocks, each a run
+// of consecutive blocks, read in order and ahead of the hardware prefetcher (`ahead_of`): the data
+// were last touched by Adam's sweep, which has left little of them in the caches.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -19,6 +21,7 @@ namespace {
 
 constexpr int64_t BLOCK = 2048;
 constexpr int LANES = 16;
+constexpr int64_t AHEAD = 256;  // elements (1 KB): the hardware prefetcher stops at each 4 KB page
 
 // element i of a block adds to lane (i - block start) % LANES
 struct Lanes {
@@ -30,14 +33,26 @@ struct Lanes {
   }
 };
 
-// for every element i of the block [begin, end), add(lanes, j, i) with j its lane; the block's
-// Width sums into out
-template <int Width, typename Add>
-void in_lanes(int64_t begin, int64_t end, double* out, Add add) {
+// a prefetch of each of `arrays` (of `size` elements) AHEAD elements past element i
+template <typename... Arrays>
+auto ahead_of(int64_t size, const Arrays*... arrays) {
+  return [=](int64_t i) {
+    const int64_t at = std::min(i + AHEAD, size - 1);
+    (__builtin_prefetch(arrays + at), ...);
+  };
+}
+
+// for every element i of the block [begin, end), add(lanes, j, i) with j its lane, and prefetch(i)
+// once every LANES elements (outside the loop the compiler vectorises); the block's Width sums into
+// out
+template <int Width, typename Add, typename Prefetch>
+void in_lanes(int64_t begin, int64_t end, double* out, Add add, Prefetch prefetch) {
   Lanes lanes[Width];
   int64_t i = begin;
-  for (; i + LANES <= end; i += LANES)
+  for (; i + LANES <= end; i += LANES) {
+    prefetch(i);
     for (int j = 0; j < LANES; ++j) add(lanes, j, i + j);
+  }
   for (int j = 0; i < end; ++i, ++j) add(lanes, j, i);
   for (int w = 0; w < Width; ++w) out[w] = lanes[w].total();
 }
@@ -48,7 +63,8 @@ struct Add {
 
 // sums[t * Width + w] = what `block(t, begin, end, out)` gives for each block of tensor t, combined
 // (added, by default) in the blocks' order: the same number on any count of `threads`, each of
-// which takes every threads-th block of the tensors
+// which takes a run of consecutive blocks (one stream through memory: blocks taken in turn broke
+// it at every block)
 template <int Width, typename Block, typename Combine = Add>
 void by_blocks(int64_t count, const int64_t* sizes, int threads, double* sums, Block block, Combine combine = {}) {
   std::vector<int64_t> first(count + 1, 0);  // tensor t's blocks: first[t] .. first[t + 1] - 1
@@ -56,7 +72,7 @@ void by_blocks(int64_t count, const int64_t* sizes, int threads, double* sums, B
   std::vector<double> partial((size_t)first[count] * Width);
   auto work = [&](int k) {
     int64_t t = 0;
-    for (int64_t b = k; b < first[count]; b += threads) {
+    for (int64_t b = first[count] * k / threads; b < first[count] * (k + 1) / threads; ++b) {
       while (first[t + 1] <= b) ++t;
       const int64_t begin = (b - first[t]) * BLOCK;
       block(t, begin, std::min(sizes[t], begin + BLOCK), &partial[(size_t)b * Width]);
@@ -81,7 +97,8 @@ extern "C" void pi0align_squared_sums(int64_t count, const float* const* tensors
                                       int threads, double* sums) {
   by_blocks<1>(count, sizes, threads, sums, [&](int64_t t, int64_t begin, int64_t end, double* out) {
     const float* x = tensors[t];
-    in_lanes<1>(begin, end, out, [x](Lanes* s, int j, int64_t i) { s[0].lane[j] += x[i] * x[i]; });
+    in_lanes<1>(begin, end, out, [x](Lanes* s, int j, int64_t i) { s[0].lane[j] += x[i] * x[i]; },
+                ahead_of(sizes[t], x));
   });
 }
 
@@ -93,7 +110,8 @@ extern "C" void pi0align_squares_and_largest(int64_t count, const float* const* 
       count, sizes, threads, sums,
       [&](int64_t t, int64_t begin, int64_t end, double* out) {
         const float* x = tensors[t];
-        in_lanes<1>(begin, end, out, [x](Lanes* s, int j, int64_t i) { s[0].lane[j] += x[i] * x[i]; });
+        in_lanes<1>(begin, end, out, [x](Lanes* s, int j, int64_t i) { s[0].lane[j] += x[i] * x[i]; },
+                    ahead_of(sizes[t], x));
         // the magnitudes' bits compared as integers (vectorised; a NaN's are the largest)
         uint32_t largest = 0;
         for (int64_t i = begin; i < end; ++i) {
@@ -119,7 +137,8 @@ extern "C" void pi0align_adam_sums(int64_t count, const float* const* parameters
     const float* m = first[t];
     const float* v = second[t];
     if (m == nullptr) {
-      in_lanes<1>(begin, end, out, [p](Lanes* s, int j, int64_t i) { s[0].lane[j] += p[i] * p[i]; });
+      in_lanes<1>(begin, end, out, [p](Lanes* s, int j, int64_t i) { s[0].lane[j] += p[i] * p[i]; },
+                  ahead_of(sizes[t], p));
       out[1] = out[2] = out[3] = 0;
       return;
     }
@@ -130,6 +149,6 @@ extern "C" void pi0align_adam_sums(int64_t count, const float* const* parameters
       s[1].lane[j] += m[i] * m[i];
       s[2].lane[j] += v[i] * v[i];
       s[3].lane[j] += q * q;
-    });
+    }, ahead_of(sizes[t], p, m, v));
   });
 }
